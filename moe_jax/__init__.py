@@ -1,0 +1,1 @@
+"""moe_jax: vLLM's modular fused-MoE kernel in JAX."""

@@ -1,0 +1,232 @@
+"""Grouped expert GEMMs: the contract, the backend registry, and the XLA reference backend.
+
+Both layouts compute `y[row] = x[row] @ w[expert(row)].T` (NT, as DeepGEMM and vLLM):
+
+- contiguous: x [M, K] in expert-major rows (see `moe_jax.layouts`), expert_ids int32[M] with -1 on
+  padding rows, expert_ends int32[E] segment ends; y [M, N]. Rows of padding are unspecified (a
+  backend may skip them; DeepGEMM does) and must not be read.
+- masked: x [E, max_m, K] with `num_rows_per_expert[e]` valid rows; y [E, max_m, N], rows past the
+  count unspecified.
+
+FP8 operands carry vLLM's block scales: x_scales float32 per row per 128 columns, w_scales float32
+[E, ceil(N/128), ceil(K/128)]. The product is `sum_kb (xq . wq)[kb] * x_scale[kb] * w_scale[n//128, kb]`
+accumulated in float32.
+
+Backends are chosen by name (`select_gemm`). Names map to modules that are imported only when asked
+for, so a backend whose library is missing stays listed and says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import quant
+
+LAYOUTS = ("contiguous", "masked")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmProblem:
+    """What a backend must run, in static terms.
+
+    Attributes:
+      layout: "contiguous" or "masked".
+      num_rows: M (contiguous) or max_m (masked).
+      n: output columns N (w.shape[1]).
+      k: reduction size K (w.shape[2]).
+      num_groups: E, experts in w.
+      x_dtype: name of the activation dtype ("bfloat16", "float32", "float8_e4m3fn").
+      w_dtype: name of the weight dtype.
+      alignment: rows per contiguous segment multiple (contiguous layout only).
+      platform: "cpu", "gpu", ... as `jax.default_backend()` names it.
+    """
+
+    layout: str
+    num_rows: int
+    n: int
+    k: int
+    num_groups: int
+    x_dtype: str
+    w_dtype: str
+    alignment: int = 1
+    platform: str = "cpu"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w_dtype == "float8_e4m3fn"
+
+
+class GroupedGemm(abc.ABC):
+    """One grouped-GEMM backend. Subclasses set `name` and implement the three methods."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def unsupported_reason(self, problem: GemmProblem) -> str | None:
+        """None if this backend runs `problem`, else why not (shown to the user)."""
+
+    @abc.abstractmethod
+    def contiguous(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        expert_ids: jax.Array,
+        expert_ends: jax.Array,
+        *,
+        x_scales: jax.Array | None = None,
+        w_scales: jax.Array | None = None,
+        alignment: int,
+        out_dtype: jnp.dtype,
+    ) -> jax.Array:
+        """[M, K] x [E, N, K] -> [M, N] on the contiguous layout (module docstring)."""
+
+    @abc.abstractmethod
+    def masked(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        num_rows_per_expert: jax.Array,
+        *,
+        x_scales: jax.Array | None = None,
+        w_scales: jax.Array | None = None,
+        expected_m: int | None = None,
+        out_dtype: jnp.dtype,
+    ) -> jax.Array:
+        """[E, max_m, K] x [E, N, K] -> [E, max_m, N] on the masked layout."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# Names users may pass, the module that registers each, and the order `None` tries them in.
+_BACKEND_MODULES = {
+    "deep_gemm": "moe_jax.interop.deep_gemm",
+    "torch": "moe_jax.interop.torch_gemm",
+    "xla": "moe_jax.grouped_gemm",
+}
+PREFERENCE = ("deep_gemm", "torch", "xla")
+_BACKENDS: dict[str, GroupedGemm] = {}
+
+
+def register_gemm(backend: GroupedGemm) -> GroupedGemm:
+    """Adds (or replaces) a backend under `backend.name`."""
+    if not backend.name:
+        raise ValueError(f"{backend!r} has no name")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def available_gemms() -> tuple[str, ...]:
+    """Every backend name that `get_gemm` accepts."""
+    return tuple(sorted(set(_BACKEND_MODULES) | set(_BACKENDS)))
+
+
+def get_gemm(name: str) -> GroupedGemm:
+    """The backend registered as `name` (importing its module on first use)."""
+    if name not in _BACKENDS and name in _BACKEND_MODULES:
+        importlib.import_module(_BACKEND_MODULES[name])
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown GEMM backend {name!r}; choose from {list(available_gemms())}")
+    return _BACKENDS[name]
+
+
+def select_gemm(name: str | GroupedGemm | None, problem: GemmProblem) -> GroupedGemm:
+    """Returns the named backend if it runs `problem`, or the first in PREFERENCE that does.
+
+    Raises:
+      ValueError: unknown name.
+      NotImplementedError: the named backend (or every backend) refuses; the message says why.
+    """
+    if isinstance(name, GroupedGemm):
+        candidates = [name]
+    else:
+        candidates = [get_gemm(n) for n in (PREFERENCE if name is None else (name,))]
+    refusals = {}
+    for backend in candidates:
+        why = backend.unsupported_reason(problem)
+        if why is None:
+            return backend
+        refusals[backend.name] = why
+    raise NotImplementedError(f"no GEMM backend runs {problem}: {refusals}")
+
+
+def dequant_rows(x: jax.Array, x_scales: jax.Array | None) -> jax.Array:
+    """float32 view of GEMM activations (FP8 rows times their per-group scales)."""
+    if x.dtype == quant.FP8_DTYPE:
+        if x_scales is None:
+            raise ValueError(f"{x.dtype=} needs x_scales")
+        return quant.dequant_per_token_group(x, x_scales)
+    return x
+
+
+def dequant_weights(w: jax.Array, w_scales: jax.Array | None) -> jax.Array:
+    """float32 view of FP8 block-quantized weights; other dtypes pass through."""
+    if w.dtype == quant.FP8_DTYPE:
+        if w_scales is None:
+            raise ValueError(f"{w.dtype=} needs w_scales")
+        return quant.dequant_per_block(w, w_scales)
+    return w
+
+
+class XlaGemm(GroupedGemm):
+    """Reference backend in plain XLA; FP8 operands are dequantized to float32 first.
+
+    On the CPU the contiguous GEMM is `jax.lax.ragged_dot` over the padded segments. On GPUs that
+    op is a masked dense product (E times the work), so there the GEMM runs as a loop over
+    `alignment`-row blocks, each against its one expert's weights: work-efficient but not fast.
+    """
+
+    name = "xla"
+
+    def unsupported_reason(self, problem: GemmProblem) -> str | None:
+        if problem.layout not in LAYOUTS:
+            return f"layout {problem.layout!r} is not one of {LAYOUTS}"
+        return None
+
+    def contiguous(self, x, w, expert_ids, expert_ends, *, x_scales=None, w_scales=None,
+                   alignment, out_dtype):
+        a, b = dequant_rows(x, x_scales), dequant_weights(w, w_scales)
+        compute = jnp.promote_types(a.dtype, b.dtype)
+        a, b = a.astype(compute), b.astype(compute)
+        if x.shape[0] == 0:
+            return jnp.zeros((0, w.shape[1]), out_dtype)
+        if jax.default_backend() == "cpu":
+            sizes = jnp.diff(expert_ends, prepend=0).astype(jnp.int32)
+            y = jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), sizes,
+                                   precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+        else:
+            y = _blockwise_gemm(a, b, expert_ids, alignment)
+        return jnp.where((expert_ids >= 0)[:, None], y, 0).astype(out_dtype)
+
+    def masked(self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None,
+               expected_m=None, out_dtype):
+        del expected_m  # a scheduling hint for tuned kernels; the reference needs none
+        a, b = dequant_rows(x, x_scales), dequant_weights(w, w_scales)
+        compute = jnp.promote_types(a.dtype, b.dtype)
+        y = jnp.einsum("emk,enk->emn", a.astype(compute), b.astype(compute),
+                       precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        is_valid = jnp.arange(x.shape[1])[None, :] < num_rows_per_expert[:, None]
+        return jnp.where(is_valid[..., None], y, 0).astype(out_dtype)
+
+
+def _blockwise_gemm(a: jax.Array, b: jax.Array, expert_ids: jax.Array, block: int) -> jax.Array:
+    """y[M, N] for rows whose every `block`-row block belongs to one expert (or is padding)."""
+    num_rows, k = a.shape
+    blocks = a.reshape(num_rows // block, block, k)
+    block_experts = expert_ids.reshape(-1, block)[:, 0]
+
+    def one_block(args):
+        rows, expert = args
+        y = jnp.dot(rows, b[jnp.maximum(expert, 0)].T, preferred_element_type=jnp.float32)
+        return jnp.where(expert >= 0, y, 0.0)
+
+    return jax.lax.map(one_block, (blocks, block_experts)).reshape(num_rows, -1)
+
+
+register_gemm(XlaGemm())

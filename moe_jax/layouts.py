@@ -1,0 +1,310 @@
+"""Token layouts for grouped expert GEMMs, in pure JAX (static shapes, no host sync).
+
+These are the references the Pallas kernels in `moe_jax.kernels` must match bit for bit.
+
+Contiguous layout (DeepGEMM `m_grouped_*_contiguous`, torch `_grouped_mm`): every (token, slot) pair
+routed to a local expert becomes one row; rows are grouped by expert in ascending expert order; inside
+an expert, rows are ordered by token, then slot (so results are reproducible); every expert's segment
+is padded to a multiple of `alignment` rows. Padding rows carry expert id -1 and zero data. Worked
+example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]]:
+
+    row  0      1    2    3    4      5      6      7    8 .. 11
+         (0,1)  pad  pad  pad  (0,0)  (1,0)  (1,1)  pad  pad     <- (token, slot) feeding the row
+    expert_ids = [0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1]     inverse = [[4, 0], [5, 6]]
+
+The row count is static: `contiguous_num_rows(T, k, E, alignment)` is the worst case over all
+routings (here round_up(4 + 2 * 3, 4) = 12), and rows past the last used segment are padding too.
+
+Masked layout (DeepGEMM `m_grouped_*_masked`, DeepEP low-latency): `[E, max_m, H]` with the first
+`num_tokens_per_expert[e]` rows of expert e valid, in (token, slot) order; the rest are zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_ALIGNMENT = 128
+
+
+def _pytree_dataclass(cls):
+    """Frozen dataclass registered as a pytree with every field a child."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def map_expert_ids(
+    topk_ids: jax.Array, *, num_experts: int, expert_map: jax.Array | None = None
+) -> jax.Array:
+    """Maps routed ids to local expert indices, -1 where the slot goes nowhere on this shard.
+
+    Args:
+      topk_ids: int[T, k] global expert ids; any value is allowed.
+      num_experts: E_local, the number of experts held here.
+      expert_map: optional int[E_global]: local index of each global expert, or -1. Ids outside
+        [0, E_global) map to -1 without reading out of bounds.
+
+    Returns:
+      int32[T, k] local ids in [0, num_experts) or -1.
+
+    Example:
+      >>> map_expert_ids(jnp.array([[0, 3, 7]]), num_experts=2,
+      ...                expert_map=jnp.array([-1, -1, -1, 1])).tolist()
+      [[-1, 1, -1]]
+    """
+    ids = topk_ids.astype(jnp.int32)
+    if expert_map is not None:
+        num_global = expert_map.shape[0]
+        in_range = (ids >= 0) & (ids < num_global)
+        ids = jnp.where(in_range, expert_map.astype(jnp.int32)[jnp.clip(ids, 0, num_global - 1)], -1)
+    return jnp.where((ids >= 0) & (ids < num_experts), ids, -1)
+
+
+def count_expert_num_tokens(
+    topk_ids: jax.Array, num_local_experts: int, expert_map: jax.Array | None = None
+) -> jax.Array:
+    """Counts the (token, slot) pairs each local expert receives.
+
+    A token that picks the same expert twice counts twice; invalid ids count nowhere.
+
+    Args:
+      topk_ids: int[T, k] expert ids (global if `expert_map` is given).
+      num_local_experts: E_local.
+      expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
+
+    Returns:
+      int32[E_local] counts.
+
+    Example:
+      >>> count_expert_num_tokens(jnp.array([[0, 0], [2, 1]]), 2).tolist()
+      [2, 1]
+    """
+    local = map_expert_ids(topk_ids, num_experts=num_local_experts, expert_map=expert_map)
+    one_hot = local.reshape(-1)[:, None] == jnp.arange(num_local_experts, dtype=jnp.int32)
+    return jnp.sum(one_hot, axis=0, dtype=jnp.int32)
+
+
+def contiguous_num_rows(num_tokens: int, topk: int, num_experts: int, alignment: int) -> int:
+    """Static worst-case row count of the contiguous layout.
+
+    At most min(T*k, E) segments are non-empty, and each wastes at most alignment-1 rows.
+    """
+    pairs = num_tokens * topk
+    return round_up(pairs + min(pairs, num_experts) * (alignment - 1), alignment)
+
+
+@_pytree_dataclass
+class ContiguousLayout:
+    """Rows grouped by expert, each segment padded to the alignment (see module docstring).
+
+    Attributes:
+      rows: [M, H] token copies (bf16, float32 or float8_e4m3fn); padding rows are zero.
+      row_scales: float32[M, H // 128] activation scales travelling with FP8 rows (zero on
+        padding), or None.
+      expert_ids: int32[M] local expert of each row, -1 on padding.
+      inverse: int32[T, k] row holding each (token, slot), -1 for slots routed nowhere.
+      num_tokens_per_expert: int32[E] valid rows per expert.
+      expert_ends: int32[E] one past the last (padded) row of each expert's segment; segment e
+        spans [expert_ends[e-1], expert_ends[e]) (torch `_grouped_mm`'s `offs`).
+    """
+
+    rows: jax.Array
+    row_scales: jax.Array | None
+    expert_ids: jax.Array
+    inverse: jax.Array
+    num_tokens_per_expert: jax.Array
+    expert_ends: jax.Array
+
+
+def contiguous_destinations(
+    local_ids: jax.Array, *, num_experts: int, alignment: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each (token, slot) lands in the contiguous layout.
+
+    Args:
+      local_ids: int32[T, k] local ids in [0, E) or -1 (from `map_expert_ids`).
+
+    Returns:
+      (inverse int32[T, k] with -1 for invalid slots, num_tokens_per_expert int32[E],
+      expert_ends int32[E]).
+    """
+    flat = local_ids.reshape(-1)
+    is_valid = flat >= 0
+    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)).astype(jnp.int32)
+    counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
+    # Rank of each pair among earlier pairs of the same expert: (token, slot) order.
+    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
+    padded = (counts + alignment - 1) // alignment * alignment
+    ends = jnp.cumsum(padded, dtype=jnp.int32)
+    starts = ends - padded
+    dest = starts[jnp.clip(flat, 0, num_experts - 1)] + rank
+    inverse = jnp.where(is_valid, dest, -1).astype(jnp.int32).reshape(local_ids.shape)
+    return inverse, counts, ends
+
+
+def permute_reference(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    num_experts: int,
+    x_scales: jax.Array | None = None,
+    expert_map: jax.Array | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> ContiguousLayout:
+    """Builds the contiguous expert-major layout (pure-JAX reference of `kernels.permute`).
+
+    Args:
+      x: [T, H] tokens (bf16, float32 or float8_e4m3fn).
+      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` send that copy
+        nowhere.
+      num_experts: E, the number of local experts.
+      x_scales: optional float32[T, G] per-token-group scales, permuted with the rows.
+      expert_map: optional int[E_global] global-to-local map.
+      alignment: rows per segment multiple (128 for DeepGEMM).
+
+    Returns:
+      `ContiguousLayout` with M = `contiguous_num_rows(T, k, E, alignment)` rows.
+
+    Example:
+      >>> lay = permute_reference(jnp.arange(4.0).reshape(2, 2), jnp.array([[1, 0], [1, 1]]),
+      ...                         num_experts=2, alignment=4)
+      >>> lay.expert_ids.tolist(), lay.inverse.tolist()
+      ([0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], [[4, 0], [5, 6]])
+    """
+    num_tokens, topk = topk_ids.shape
+    num_rows = contiguous_num_rows(num_tokens, topk, num_experts, alignment)
+    local = map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    inverse, counts, ends = contiguous_destinations(
+        local, num_experts=num_experts, alignment=alignment
+    )
+    flat_dest = inverse.reshape(-1)
+    scatter_to = jnp.where(flat_dest >= 0, flat_dest, num_rows)  # out of range -> dropped
+    token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), topk)
+    source = jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(token_of_pair, mode="drop")
+    expert_ids = jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(
+        local.reshape(-1), mode="drop"
+    )
+    has_source = source >= 0
+
+    def gather(a: jax.Array) -> jax.Array:
+        taken = a[jnp.clip(source, 0, max(num_tokens - 1, 0))]
+        return jnp.where(has_source[:, None], taken, jnp.zeros((), a.dtype))
+
+    return ContiguousLayout(
+        rows=gather(x),
+        row_scales=None if x_scales is None else gather(x_scales),
+        expert_ids=expert_ids,
+        inverse=inverse,
+        num_tokens_per_expert=counts,
+        expert_ends=ends,
+    )
+
+
+def unpermute_reference(
+    y: jax.Array,
+    inverse: jax.Array,
+    topk_weights: jax.Array | None,
+    *,
+    out_dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    """Weight-and-reduce from a row layout back to tokens (reference of `kernels.unpermute`).
+
+    out[t] = cast(sum over slots j with inverse[t, j] >= 0 of fp32(y[inverse[t, j]]) * w[t, j]),
+    summed in slot order; a token with no valid slot gets zeros.
+
+    Args:
+      y: [M, H] expert outputs in row layout (contiguous rows, or a flattened masked layout).
+      inverse: int32[T, k] row of each (token, slot), -1 for none.
+      topk_weights: float[T, k] weights, or None when they were already applied.
+      out_dtype: output dtype; defaults to y.dtype.
+
+    Returns:
+      [T, H] in `out_dtype`.
+    """
+    out_dtype = y.dtype if out_dtype is None else out_dtype
+    num_tokens, topk = inverse.shape
+    if y.shape[0] == 0:
+        return jnp.zeros((num_tokens, y.shape[1]), out_dtype)
+    is_valid = inverse >= 0
+    weights = jnp.ones(inverse.shape, jnp.float32) if topk_weights is None else topk_weights
+    weights = jnp.where(is_valid, weights.astype(jnp.float32), 0.0)
+    acc = jnp.zeros((num_tokens, y.shape[1]), jnp.float32)
+    for j in range(topk):  # fixed slot order, as vLLM's ep_gather
+        rows = y[jnp.clip(inverse[:, j], 0, y.shape[0] - 1)].astype(jnp.float32)
+        acc = acc + jnp.where(is_valid[:, j, None], rows * weights[:, j, None], 0.0)
+    return acc.astype(out_dtype)
+
+
+@_pytree_dataclass
+class MaskedLayout:
+    """Per-expert padded blocks `[E, max_m, H]` (DeepEP low-latency / DeepGEMM masked layout).
+
+    Attributes:
+      rows: [E, max_m, H] token copies; rows at or past the expert's count are zero.
+      row_scales: float32[E, max_m, G] scales for FP8 rows, or None.
+      num_tokens_per_expert: int32[E] valid rows per expert (DeepGEMM `masked_m`), capped at max_m.
+      inverse: int32[T, k] flat row `e * max_m + r` of each (token, slot), -1 when routed nowhere
+        or dropped for lack of capacity.
+      num_dropped: int32[] pairs that did not fit in max_m rows (0 when max_m >= T * k).
+    """
+
+    rows: jax.Array
+    row_scales: jax.Array | None
+    num_tokens_per_expert: jax.Array
+    inverse: jax.Array
+    num_dropped: jax.Array
+
+
+def masked_layout_reference(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    num_experts: int,
+    max_m: int,
+    x_scales: jax.Array | None = None,
+    expert_map: jax.Array | None = None,
+) -> MaskedLayout:
+    """Builds the masked layout; pairs beyond `max_m` per expert are dropped and counted.
+
+    Args:
+      x: [T, H] tokens.
+      topk_ids: int[T, k] expert per slot.
+      num_experts: E_local.
+      max_m: rows per expert (static); T * k never drops.
+      x_scales: optional float32[T, G], laid out with the rows.
+      expert_map: optional int[E_global] global-to-local map.
+    """
+    num_tokens, topk = topk_ids.shape
+    local = map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    # Alignment 1 gives each pair its rank within its expert: dest - start.
+    dest, counts, ends = contiguous_destinations(local, num_experts=num_experts, alignment=1)
+    rank = dest - (ends - counts)[jnp.clip(local, 0, num_experts - 1)]
+    fits = (local >= 0) & (rank < max_m)
+    inverse = jnp.where(fits, local * max_m + rank, -1).astype(jnp.int32)
+    num_slots = num_experts * max_m
+    flat_inverse = inverse.reshape(-1)
+    scatter_to = jnp.where(flat_inverse >= 0, flat_inverse, num_slots)
+    token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), topk)
+    source = jnp.full((num_slots,), -1, jnp.int32).at[scatter_to].set(token_of_pair, mode="drop")
+
+    def gather(a: jax.Array) -> jax.Array:
+        if num_tokens == 0:
+            return jnp.zeros((num_experts, max_m, *a.shape[1:]), a.dtype)
+        taken = a[jnp.clip(source, 0, num_tokens - 1)]
+        taken = jnp.where((source >= 0)[:, None], taken, jnp.zeros((), a.dtype))
+        return taken.reshape(num_experts, max_m, *a.shape[1:])
+
+    return MaskedLayout(
+        rows=gather(x),
+        row_scales=None if x_scales is None else gather(x_scales),
+        num_tokens_per_expert=jnp.minimum(counts, max_m).astype(jnp.int32),
+        inverse=inverse,
+        num_dropped=jnp.sum((local >= 0) & ~fits, dtype=jnp.int32),
+    )

@@ -1,0 +1,121 @@
+"""FP8 (e4m3fn) quantization with vLLM's block recipe.
+
+Activations are quantized per token per `group_size`-wide group of hidden columns; weights per
+`block_shape` tile. Both use vLLM's `per_token_group_quant_fp8` formula:
+
+    scale = max(amax(group), 1e-10) / 448        q = clip(x / scale, -448, 448) -> float8_e4m3fn
+
+with float32 scales and round-to-nearest-even in the cast. The scale layout is row-major
+(`[T, H // group_size]`); backends that want another layout (DeepGEMM's MN-major, TMA-aligned one)
+transpose at their boundary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_EPS = 1e-10
+DEFAULT_BLOCK_SHAPE = (128, 128)
+
+
+def _check_floating(x: jax.Array, name: str) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == FP8_DTYPE:
+        raise TypeError(f"{name}.dtype={x.dtype} but a float16/bfloat16/float32 array is needed")
+
+
+def per_token_group_quant_fp8(
+    x: jax.Array, group_size: int = 128
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes activations to FP8 per token and per `group_size` columns.
+
+    Args:
+      x: float[..., H] activations (any float dtype; computed in float32).
+      group_size: columns per scale; H must be a multiple of it.
+
+    Returns:
+      (q, scales): q float8_e4m3fn[..., H] and scales float32[..., H // group_size] with
+      `x ~= q * scales` broadcast over each group.
+
+    Example:
+      >>> q, s = per_token_group_quant_fp8(jnp.full((2, 256), 4.0))
+      >>> q.dtype, s.shape, float(s[0, 0] * 448)
+      (dtype(float8_e4m3fn), (2, 2), 4.0)
+    """
+    _check_floating(x, "x")
+    hidden = x.shape[-1]
+    if group_size <= 0 or hidden % group_size:
+        raise ValueError(
+            f"x.shape={x.shape}: the last dimension must be a multiple of {group_size=}"
+        )
+    groups = x.astype(jnp.float32).reshape(*x.shape[:-1], hidden // group_size, group_size)
+    amax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
+    scales = jnp.maximum(amax, SCALE_EPS) / FP8_MAX
+    q = jnp.clip(groups / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return q.reshape(x.shape), scales[..., 0]
+
+
+def dequant_per_token_group(q: jax.Array, scales: jax.Array) -> jax.Array:
+    """Inverse of `per_token_group_quant_fp8`: float32[..., H] = q * scales per group.
+
+    Args:
+      q: float8_e4m3fn[..., H].
+      scales: float32[..., G] with H a multiple of G.
+    """
+    hidden, num_groups = q.shape[-1], scales.shape[-1]
+    if q.shape[:-1] != scales.shape[:-1] or num_groups == 0 or hidden % num_groups:
+        raise ValueError(f"{q.shape=} and {scales.shape=} do not describe per-group scales")
+    grouped = q.astype(jnp.float32).reshape(*q.shape[:-1], num_groups, hidden // num_groups)
+    return (grouped * scales[..., None]).reshape(q.shape)
+
+
+def block_scale_shape(shape: tuple[int, ...], block_shape=DEFAULT_BLOCK_SHAPE) -> tuple[int, ...]:
+    """Shape of the scales of a `[..., N, K]` weight quantized in `block_shape` tiles."""
+    bn, bk = block_shape
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / bn), math.ceil(k / bk))
+
+
+def per_block_quant_fp8(
+    w: jax.Array, block_shape: tuple[int, int] = DEFAULT_BLOCK_SHAPE
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes weights to FP8 with one scale per `block_shape` tile.
+
+    Args:
+      w: float[..., N, K] weights (vLLM layout: w1 [E, 2I, H], w2 [E, H, I]).
+      block_shape: (rows, columns) per scale; ragged edge tiles get their own scale.
+
+    Returns:
+      (wq, scales): float8_e4m3fn[..., N, K] and float32[..., ceil(N/bn), ceil(K/bk)], so that
+      `w[n, k] ~= wq[n, k] * scales[n // bn, k // bk]`.
+    """
+    _check_floating(w, "w")
+    bn, bk = block_shape
+    *lead, n, k = w.shape
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    padded = jnp.pad(
+        w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, gn * bn - n), (0, gk * bk - k)]
+    )
+    tiles = padded.reshape(*lead, gn, bn, gk, bk)
+    amax = jnp.max(jnp.abs(tiles), axis=(-3, -1), keepdims=True)
+    scales = jnp.maximum(amax, SCALE_EPS) / FP8_MAX
+    q = jnp.clip(tiles / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    q = q.reshape(*lead, gn * bn, gk * bk)[..., :n, :k]
+    return q, scales[..., 0, :, 0]
+
+
+def dequant_per_block(
+    wq: jax.Array, scales: jax.Array, block_shape: tuple[int, int] = DEFAULT_BLOCK_SHAPE
+) -> jax.Array:
+    """Inverse of `per_block_quant_fp8`: float32[..., N, K] = wq * scales per tile."""
+    expected = block_scale_shape(wq.shape, block_shape)
+    if scales.shape != expected:
+        raise ValueError(f"{wq.shape=} with {block_shape=} needs scales {expected}, got {scales.shape}")
+    bn, bk = block_shape
+    *_, n, k = wq.shape
+    full = jnp.repeat(jnp.repeat(scales, bn, axis=-2), bk, axis=-1)[..., :n, :k]
+    return wq.astype(jnp.float32) * full
