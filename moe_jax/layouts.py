@@ -21,19 +21,12 @@ Masked layout (DeepGEMM `m_grouped_*_masked`, DeepEP low-latency): `[E, max_m, H
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from moe_jax._pytree import pytree_dataclass
+
 DEFAULT_ALIGNMENT = 128
-
-
-def _pytree_dataclass(cls):
-    """Frozen dataclass registered as a pytree with every field a child."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -100,7 +93,7 @@ def contiguous_num_rows(num_tokens: int, topk: int, num_experts: int, alignment:
     return round_up(pairs + min(pairs, num_experts) * (alignment - 1), alignment)
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class ContiguousLayout:
     """Rows grouped by expert, each segment padded to the alignment (see module docstring).
 
@@ -242,7 +235,7 @@ def unpermute_reference(
     return acc.astype(out_dtype)
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class MaskedLayout:
     """Per-expert padded blocks `[E, max_m, H]` (DeepEP low-latency / DeepGEMM masked layout).
 

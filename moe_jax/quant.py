@@ -12,6 +12,7 @@ transpose at their boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -119,3 +120,29 @@ def dequant_per_block(
     *_, n, k = wq.shape
     full = jnp.repeat(jnp.repeat(scales, bn, axis=-2), bk, axis=-1)[..., :n, :k]
     return wq.astype(jnp.float32) * full
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8BlockQuant:
+    """vLLM's block FP8 recipe: 128x128 weight tiles, activations per token per 128 columns.
+
+    Attributes:
+      block_shape: (rows, columns) of a weight tile; activations are grouped by the column size.
+    """
+
+    block_shape: tuple[int, int] = DEFAULT_BLOCK_SHAPE
+
+    def __post_init__(self):
+        if tuple(self.block_shape) != DEFAULT_BLOCK_SHAPE:
+            raise ValueError(
+                f"block_shape={self.block_shape}: only {DEFAULT_BLOCK_SHAPE} is supported "
+                "(the layout DeepGEMM and vLLM's FP8 experts use)"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.block_shape[1]
+
+    def quantize_activations(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(float8_e4m3fn[..., H], float32[..., H // 128]) per `per_token_group_quant_fp8`."""
+        return per_token_group_quant_fp8(x, self.group_size)

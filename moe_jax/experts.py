@@ -1,0 +1,224 @@
+"""Experts: permute -> GEMM1 -> act(gate) * up (-> requantize) -> GEMM2 -> weight-and-reduce.
+
+Two layouts, each an object holding its choices (vLLM's FusedMoEPermuteExpertsUnpermute):
+
+- `ContiguousExperts`: expert-major rows padded per expert (DeepGEMM contiguous, torch grouped
+  GEMM); the gather at the end applies the router weights and sums the slots.
+- `MaskedExperts`: `[E, max_m, H]` blocks (DeepGEMM masked; the layout DeepEP low-latency delivers).
+
+Both return the reduced `[T, H]` output, so their `weight_and_reduce()` is `AlreadyReduced`.
+Numerics follow vLLM's canonical FP8 pipeline: quantized x -> GEMM1 -> bf16 [*, 2I] -> act*up in
+bf16 -> per-token-group quantization -> GEMM2 -> bf16 [*, H] -> float32 weighted sum -> out dtype.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import grouped_gemm, layouts, permute, quant
+from moe_jax._pytree import pytree_dataclass
+from moe_jax.activation import act_and_mul
+from moe_jax.prepare_finalize import AlreadyReduced, PreparedTokens, WeightAndReduce
+
+
+@pytree_dataclass
+class ExpertWeights:
+    """Expert MLP weights in vLLM's layout.
+
+    Attributes:
+      w1: [E, 2I, H] gate rows [0, I), then up rows [I, 2I); float or float8_e4m3fn.
+      w2: [E, H, I].
+      w1_scale: float32[E, ceil(2I/128), ceil(H/128)] for FP8 w1, else None.
+      w2_scale: float32[E, ceil(H/128), ceil(I/128)] for FP8 w2, else None.
+    """
+
+    w1: jax.Array
+    w2: jax.Array
+    w1_scale: jax.Array | None = None
+    w2_scale: jax.Array | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w1.dtype == quant.FP8_DTYPE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertsCall:
+    """Per-call static choices the experts need besides tensors."""
+
+    activation: str = "silu"
+    quant_config: quant.Fp8BlockQuant | None = None
+    out_dtype: jnp.dtype = jnp.bfloat16
+
+
+class Experts(abc.ABC):
+    """Runs the local experts on prepared tokens."""
+
+    @abc.abstractmethod
+    def apply(
+        self,
+        prepared: PreparedTokens,
+        weights: ExpertWeights,
+        *,
+        expert_map: jax.Array | None,
+        call: ExpertsCall,
+    ) -> jax.Array:
+        """PreparedTokens with T tokens -> expert output (see `weight_and_reduce`)."""
+
+    def weight_and_reduce(self) -> WeightAndReduce:
+        return AlreadyReduced()
+
+    def gemm_problem(self, weights: ExpertWeights, *, num_rows: int, x_dtype) -> tuple:
+        """The two GEMM problems (GEMM1, GEMM2) this object runs for `num_rows` rows."""
+        layout = self.layout_name
+        w1, w2 = weights.w1, weights.w2
+        common = dict(layout=layout, num_rows=num_rows, num_groups=w1.shape[0],
+                      w_dtype=jnp.dtype(w1.dtype).name, x_dtype=jnp.dtype(x_dtype).name,
+                      alignment=getattr(self, "alignment", 1), platform=jax.default_backend())
+        return (grouped_gemm.GemmProblem(n=w1.shape[1], k=w1.shape[2], **common),
+                grouped_gemm.GemmProblem(n=w2.shape[1], k=w2.shape[2], **common))
+
+    layout_name: str = ""
+
+
+def _intermediate_dtype(prepared: PreparedTokens, call: ExpertsCall):
+    """GEMM outputs are bf16 on the FP8 path (DeepGEMM's D), else the activation dtype."""
+    return jnp.bfloat16 if call.quant_config is not None else prepared.x.dtype
+
+
+def _activate(h: jax.Array, call: ExpertsCall) -> tuple[jax.Array, jax.Array | None]:
+    """act(gate) * up, requantized for GEMM2 on the FP8 path."""
+    a = act_and_mul(h, call.activation)
+    if call.quant_config is None:
+        return a, None
+    return call.quant_config.quantize_activations(a)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContiguousExperts(Experts):
+    """Experts on the contiguous layout.
+
+    Attributes:
+      gemm: GEMM backend name ("xla", "torch", "deep_gemm"), a `GroupedGemm`, or None for the best
+        that runs.
+      permute_impl: "xla", "pallas", "pallas_interpret", or None (Pallas on GPU, XLA elsewhere).
+      alignment: rows per expert segment multiple (DeepGEMM needs 128).
+    """
+
+    gemm: str | grouped_gemm.GroupedGemm | None = "xla"
+    permute_impl: str | None = None
+    alignment: int = layouts.DEFAULT_ALIGNMENT
+    layout_name = "contiguous"
+
+    def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
+        num_rows = layouts.contiguous_num_rows(num_tokens, topk, weights.num_experts,
+                                               self.alignment)
+        p1, p2 = self.gemm_problem(weights, num_rows=num_rows, x_dtype=x_dtype)
+        return grouped_gemm.select_gemm(self.gemm, p1), grouped_gemm.select_gemm(self.gemm, p2)
+
+    def apply(self, prepared, weights, *, expert_map, call):
+        num_tokens, topk = prepared.topk_ids.shape
+        gemm1, gemm2 = self.select_gemms(weights, num_tokens=num_tokens, topk=topk,
+                                         x_dtype=prepared.x.dtype)
+        mid_dtype = _intermediate_dtype(prepared, call)
+        lay = permute.permute(
+            prepared.x, prepared.topk_ids, num_experts=weights.num_experts,
+            x_scales=prepared.x_scales, expert_map=expert_map, alignment=self.alignment,
+            impl=self.permute_impl,
+        )
+        h = gemm1.contiguous(lay.rows, weights.w1, lay.expert_ids, lay.expert_ends,
+                             x_scales=lay.row_scales, w_scales=weights.w1_scale,
+                             alignment=self.alignment, out_dtype=mid_dtype)
+        a, a_scales = _activate(h, call)
+        y = gemm2.contiguous(a, weights.w2, lay.expert_ids, lay.expert_ends,
+                             x_scales=a_scales, w_scales=weights.w2_scale,
+                             alignment=self.alignment, out_dtype=mid_dtype)
+        return permute.unpermute(y, lay.inverse, prepared.topk_weights, out_dtype=call.out_dtype,
+                                 impl=self.permute_impl)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaskedExperts(Experts):
+    """Experts on the masked layout `[E, max_m, H]`.
+
+    Attributes:
+      gemm: as for `ContiguousExperts`.
+      max_m: rows per expert; None means T * k, which never drops a pair. A smaller value drops
+        the pairs that do not fit (in (token, slot) order), so use it only when the routing is
+        known to fit (e.g. DeepEP's per-rank token limit).
+    """
+
+    gemm: str | grouped_gemm.GroupedGemm | None = "xla"
+    max_m: int | None = None
+    layout_name = "masked"
+
+    def apply(self, prepared, weights, *, expert_map, call):
+        num_tokens, topk = prepared.topk_ids.shape
+        max_m = num_tokens * topk if self.max_m is None else self.max_m
+        p1, p2 = self.gemm_problem(weights, num_rows=max_m, x_dtype=prepared.x.dtype)
+        gemm1 = grouped_gemm.select_gemm(self.gemm, p1)
+        gemm2 = grouped_gemm.select_gemm(self.gemm, p2)
+        mid_dtype = _intermediate_dtype(prepared, call)
+        lay = layouts.masked_layout_reference(
+            prepared.x, prepared.topk_ids, num_experts=weights.num_experts, max_m=max_m,
+            x_scales=prepared.x_scales, expert_map=expert_map,
+        )
+        # DeepGEMM's scheduling hint: the mean rows per expert, rounded up to 16 (vLLM's choice).
+        expected_m = max(16, min(max_m, layouts.round_up(
+            -(-num_tokens * topk // weights.num_experts), 16)))
+        h = gemm1.masked(lay.rows, weights.w1, lay.num_tokens_per_expert,
+                         x_scales=lay.row_scales, w_scales=weights.w1_scale,
+                         expected_m=expected_m, out_dtype=mid_dtype)
+        a, a_scales = _activate(h, call)
+        y = gemm2.masked(a, weights.w2, lay.num_tokens_per_expert, x_scales=a_scales,
+                         w_scales=weights.w2_scale, expected_m=expected_m, out_dtype=mid_dtype)
+        flat = y.reshape(-1, y.shape[-1])
+        return layouts.unpermute_reference(flat, lay.inverse, prepared.topk_weights,
+                                           out_dtype=call.out_dtype)
+
+
+# Names accepted by `fused_moe(experts=...)`; "auto" is resolved by `resolve_experts`.
+_NAMED_EXPERTS = {
+    "xla": lambda: ContiguousExperts(gemm="xla", permute_impl="xla"),
+    "torch": lambda: ContiguousExperts(gemm="torch"),
+    "deep_gemm": lambda: ContiguousExperts(gemm="deep_gemm"),
+    "xla_masked": lambda: MaskedExperts(gemm="xla"),
+    "deep_gemm_masked": lambda: MaskedExperts(gemm="deep_gemm"),
+}
+EXPERTS_NAMES = ("auto", *_NAMED_EXPERTS)
+
+
+def resolve_experts(
+    experts: str | Experts, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype
+) -> Experts:
+    """An `Experts` object from a name; "auto" picks the fastest that runs here.
+
+    "auto" is the XLA reference off the GPU. On a GPU it is the contiguous layout with the first
+    GEMM backend in `grouped_gemm.PREFERENCE` that accepts both GEMMs (DeepGEMM, then torch),
+    and the Pallas permute kernels.
+    """
+    if isinstance(experts, Experts):
+        return experts
+    if experts not in EXPERTS_NAMES:
+        raise ValueError(f"unknown experts {experts!r}; choose from {list(EXPERTS_NAMES)} "
+                         "or pass an Experts object")
+    if experts != "auto":
+        return _NAMED_EXPERTS[experts]()
+    if jax.default_backend() == "cpu":
+        return _NAMED_EXPERTS["xla"]()
+    for name in grouped_gemm.PREFERENCE:
+        candidate = ContiguousExperts(gemm=name)
+        try:
+            candidate.select_gemms(weights, num_tokens=num_tokens, topk=topk, x_dtype=x_dtype)
+        except NotImplementedError:
+            continue
+        return candidate
+    return _NAMED_EXPERTS["xla"]()

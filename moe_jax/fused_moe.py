@@ -1,0 +1,75 @@
+"""`fused_moe`: the functional front door (vLLM's `fused_experts` with the modular kernel inside)."""
+
+from __future__ import annotations
+
+import jax
+
+from moe_jax import quant
+from moe_jax.experts import Experts, ExpertWeights, resolve_experts
+from moe_jax.modular import ModularMoE
+from moe_jax.prepare_finalize import NoEPPrepareFinalize
+
+
+def fused_moe(
+    hidden_states: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    global_num_experts: int | None = None,
+    expert_map: jax.Array | None = None,
+    w1_scale: jax.Array | None = None,
+    w2_scale: jax.Array | None = None,
+    block_shape: tuple[int, int] | None = None,
+    chunk_size: int | None = None,
+    experts: str | Experts = "auto",
+) -> jax.Array:
+    """Mixture-of-experts MLP of routed tokens, with vLLM's semantics.
+
+    out[t] = sum_j w[t, j] * W2[e] @ (act(W1_gate[e] @ x[t]) * (W1_up[e] @ x[t])), e = ids[t, j],
+    over slots whose id maps to a local expert. Duplicate ids in a row add up; negative weights are
+    fine; ids outside [0, E) (after `expert_map`) contribute nothing and never index memory.
+
+    Args:
+      hidden_states: [T, H] bfloat16, float16 or float32 tokens.
+      w1: [E, 2I, H] gate rows [0, I) then up rows [I, 2I); float, or float8_e4m3fn with w1_scale.
+      w2: [E, H, I]; same dtype as w1.
+      topk_weights: float[T, k] router weights.
+      topk_ids: int[T, k] expert ids (global ids when `expert_map` is given).
+      activation: "silu" or "gelu" (applied to the gate half).
+      apply_router_weight_on_input: scale x by its weight before the experts (top-1 only).
+      global_num_experts: E_global; checked against `expert_map` when both are given.
+      expert_map: int[E_global] local index of each global expert, -1 where held elsewhere.
+      w1_scale: float32[E, ceil(2I/128), ceil(H/128)] block scales of FP8 w1.
+      w2_scale: float32[E, ceil(H/128), ceil(I/128)] block scales of FP8 w2.
+      block_shape: FP8 weight tile; None or (128, 128). With FP8 weights the activations are
+        quantized per token per 128 columns before each GEMM (vLLM's recipe).
+      chunk_size: run the experts over chunks of at most this many tokens (static shapes).
+      experts: "auto" (fastest that runs here), "xla", "torch", "deep_gemm", "xla_masked",
+        "deep_gemm_masked", or an `Experts` object.
+
+    Returns:
+      [T, H] in hidden_states.dtype.
+
+    Example:
+      >>> x = jnp.ones((2, 8)); w1 = jnp.ones((2, 4, 8)) / 8; w2 = jnp.ones((2, 8, 2))
+      >>> out = fused_moe(x, w1, w2, jnp.array([[1.0], [-1.0]]), jnp.array([[0], [5]]))
+      >>> [round(v, 4) for v in out[:, 0].tolist()]  # token 1 went to a missing expert
+      [1.4621, 0.0]
+    """
+    if block_shape is not None:
+        quant.Fp8BlockQuant(block_shape=tuple(block_shape))  # validates
+    chosen = resolve_experts(
+        experts, ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale),
+        num_tokens=min(hidden_states.shape[0], chunk_size or hidden_states.shape[0]),
+        topk=topk_ids.shape[-1], x_dtype=hidden_states.dtype,
+    )
+    layer = ModularMoE(NoEPPrepareFinalize(), chosen, chunk_size=chunk_size)
+    return layer(
+        hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
+        global_num_experts=global_num_experts, expert_map=expert_map, w1_scale=w1_scale,
+        w2_scale=w2_scale, apply_router_weight_on_input=apply_router_weight_on_input,
+    )
