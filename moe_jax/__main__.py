@@ -1,0 +1,32 @@
+"""Command line: `python -m moe_jax demo` (and `moe-jax demo` once installed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_jax", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run a small DeepSeek-style FP8 MoE layer and check it")
+    demo.add_argument("--experts", default="auto",
+                      help="experts backend: auto, xla, torch, deep_gemm, ... (default: auto)")
+    demo.add_argument("--tokens", type=int, default=256, help="number of tokens T (default 256)")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from moe_jax.demo import DemoShape, format_table, run_demo
+
+        shape = DemoShape(num_tokens=args.tokens)
+        rows = run_demo(shape, experts=args.experts)
+        print(format_table(shape, rows))
+        worst = max(r["rel_err"] for r in rows)
+        if not worst < 0.1:
+            print(f"FAILED: relative error {worst:.3g} is above 0.1", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
