@@ -10,8 +10,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run a small DeepSeek-style FP8 MoE layer and check it")
-    demo.add_argument("--experts", default="auto",
-                      help="experts backend: auto, xla, torch, deep_gemm, ... (default: auto)")
+    demo.add_argument(
+        "--experts",
+        default="auto",
+        help="experts backend: auto, xla, torch, deep_gemm, ... (default: auto)",
+    )
     demo.add_argument("--tokens", type=int, default=256, help="number of tokens T (default 256)")
     args = parser.parse_args(argv)
 

@@ -37,7 +37,8 @@ def make_layer(shape: DemoShape, seed: int = 0) -> dict[str, jax.Array]:
         x=jax.random.normal(keys[0], (s.num_tokens, s.hidden), jnp.float32),
         logits=jax.random.normal(keys[1], (s.num_tokens, s.num_experts), jnp.float32),
         bias=0.1 * jax.random.normal(keys[2], (s.num_experts,), jnp.float32),
-        w1=jax.random.normal(keys[3], (s.num_experts, 2 * s.intermediate, s.hidden)) / s.hidden**0.5,
+        w1=jax.random.normal(keys[3], (s.num_experts, 2 * s.intermediate, s.hidden))
+        / s.hidden**0.5,
         w2=jax.random.normal(keys[4], (s.num_experts, s.hidden, s.intermediate))
         / s.intermediate**0.5,
     )
@@ -65,17 +66,27 @@ def run_demo(shape: DemoShape = DemoShape(), *, experts: str = "auto") -> list[d
     s = shape
 
     def route(logits, bias):
-        return grouped_topk(logits, s.topk, True, s.num_expert_group, s.topk_group,
-                            scoring_func="sigmoid", e_score_correction_bias=bias,
-                            routed_scaling_factor=s.routed_scaling_factor)
+        return grouped_topk(
+            logits,
+            s.topk,
+            True,
+            s.num_expert_group,
+            s.topk_group,
+            scoring_func="sigmoid",
+            e_score_correction_bias=bias,
+            routed_scaling_factor=s.routed_scaling_factor,
+        )
 
     topk_weights, topk_ids = jax.jit(route)(p["logits"], p["bias"])
     w1q, w1s = quant.per_block_quant_fp8(p["w1"])
     w2q, w2s = quant.per_block_quant_fp8(p["w2"])
     w1b, w2b = p["w1"].astype(jnp.bfloat16), p["w2"].astype(jnp.bfloat16)
     x = p["x"].astype(jnp.bfloat16)
-    layer = jax.jit(lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
-        x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts))
+    layer = jax.jit(
+        lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
+            x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts
+        )
+    )
     variants = {
         "fp8 block weights": (x, w1q, w2q, topk_weights, topk_ids, w1s, w2s),
         "bf16 weights": (x, w1b, w2b, topk_weights, topk_ids, None, None),
@@ -85,8 +96,15 @@ def run_demo(shape: DemoShape = DemoShape(), *, experts: str = "auto") -> list[d
         # Reference: float32 activations and arithmetic on the very same weights.
         ref = moe_reference(*args[:5], w1_scale=args[5], w2_scale=args[6])
         out = layer(*args)
-        rows.append(dict(variant=name, backend=jax.default_backend(), experts=experts,
-                         ms=median_ms(layer, *args), rel_err=rel_error(out, ref)))
+        rows.append(
+            dict(
+                variant=name,
+                backend=jax.default_backend(),
+                experts=experts,
+                ms=median_ms(layer, *args),
+                rel_err=rel_error(out, ref),
+            )
+        )
     return rows
 
 
@@ -101,6 +119,8 @@ def format_table(shape: DemoShape, rows: list[dict]) -> str:
         f"{'variant':<20} {'backend':<8} {'experts':<10} {'ms/call':>9} {'rel. error':>11}",
     ]
     for r in rows:
-        lines.append(f"{r['variant']:<20} {r['backend']:<8} {r['experts']:<10} "
-                     f"{r['ms']:>9.2f} {r['rel_err']:>11.2e}")
+        lines.append(
+            f"{r['variant']:<20} {r['backend']:<8} {r['experts']:<10} "
+            f"{r['ms']:>9.2f} {r['rel_err']:>11.2e}"
+        )
     return "\n".join(lines)

@@ -80,11 +80,19 @@ class Experts(abc.ABC):
         """The two GEMM problems (GEMM1, GEMM2) this object runs for `num_rows` rows."""
         layout = self.layout_name
         w1, w2 = weights.w1, weights.w2
-        common = dict(layout=layout, num_rows=num_rows, num_groups=w1.shape[0],
-                      w_dtype=jnp.dtype(w1.dtype).name, x_dtype=jnp.dtype(x_dtype).name,
-                      alignment=getattr(self, "alignment", 1), platform=jax.default_backend())
-        return (grouped_gemm.GemmProblem(n=w1.shape[1], k=w1.shape[2], **common),
-                grouped_gemm.GemmProblem(n=w2.shape[1], k=w2.shape[2], **common))
+        common = dict(
+            layout=layout,
+            num_rows=num_rows,
+            num_groups=w1.shape[0],
+            w_dtype=jnp.dtype(w1.dtype).name,
+            x_dtype=jnp.dtype(x_dtype).name,
+            alignment=getattr(self, "alignment", 1),
+            platform=jax.default_backend(),
+        )
+        return (
+            grouped_gemm.GemmProblem(n=w1.shape[1], k=w1.shape[2], **common),
+            grouped_gemm.GemmProblem(n=w2.shape[1], k=w2.shape[2], **common),
+        )
 
     layout_name: str = ""
 
@@ -119,30 +127,51 @@ class ContiguousExperts(Experts):
     layout_name = "contiguous"
 
     def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
-        num_rows = layouts.contiguous_num_rows(num_tokens, topk, weights.num_experts,
-                                               self.alignment)
+        num_rows = layouts.contiguous_num_rows(
+            num_tokens, topk, weights.num_experts, self.alignment
+        )
         p1, p2 = self.gemm_problem(weights, num_rows=num_rows, x_dtype=x_dtype)
         return grouped_gemm.select_gemm(self.gemm, p1), grouped_gemm.select_gemm(self.gemm, p2)
 
     def apply(self, prepared, weights, *, expert_map, call):
         num_tokens, topk = prepared.topk_ids.shape
-        gemm1, gemm2 = self.select_gemms(weights, num_tokens=num_tokens, topk=topk,
-                                         x_dtype=prepared.x.dtype)
+        gemm1, gemm2 = self.select_gemms(
+            weights, num_tokens=num_tokens, topk=topk, x_dtype=prepared.x.dtype
+        )
         mid_dtype = _intermediate_dtype(prepared, call)
         lay = permute.permute(
-            prepared.x, prepared.topk_ids, num_experts=weights.num_experts,
-            x_scales=prepared.x_scales, expert_map=expert_map, alignment=self.alignment,
+            prepared.x,
+            prepared.topk_ids,
+            num_experts=weights.num_experts,
+            x_scales=prepared.x_scales,
+            expert_map=expert_map,
+            alignment=self.alignment,
             impl=self.permute_impl,
         )
-        h = gemm1.contiguous(lay.rows, weights.w1, lay.expert_ids, lay.expert_ends,
-                             x_scales=lay.row_scales, w_scales=weights.w1_scale,
-                             alignment=self.alignment, out_dtype=mid_dtype)
+        h = gemm1.contiguous(
+            lay.rows,
+            weights.w1,
+            lay.expert_ids,
+            lay.expert_ends,
+            x_scales=lay.row_scales,
+            w_scales=weights.w1_scale,
+            alignment=self.alignment,
+            out_dtype=mid_dtype,
+        )
         a, a_scales = _activate(h, call)
-        y = gemm2.contiguous(a, weights.w2, lay.expert_ids, lay.expert_ends,
-                             x_scales=a_scales, w_scales=weights.w2_scale,
-                             alignment=self.alignment, out_dtype=mid_dtype)
-        return permute.unpermute(y, lay.inverse, prepared.topk_weights, out_dtype=call.out_dtype,
-                                 impl=self.permute_impl)
+        y = gemm2.contiguous(
+            a,
+            weights.w2,
+            lay.expert_ids,
+            lay.expert_ends,
+            x_scales=a_scales,
+            w_scales=weights.w2_scale,
+            alignment=self.alignment,
+            out_dtype=mid_dtype,
+        )
+        return permute.unpermute(
+            y, lay.inverse, prepared.topk_weights, out_dtype=call.out_dtype, impl=self.permute_impl
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,21 +197,40 @@ class MaskedExperts(Experts):
         gemm2 = grouped_gemm.select_gemm(self.gemm, p2)
         mid_dtype = _intermediate_dtype(prepared, call)
         lay = layouts.masked_layout_reference(
-            prepared.x, prepared.topk_ids, num_experts=weights.num_experts, max_m=max_m,
-            x_scales=prepared.x_scales, expert_map=expert_map,
+            prepared.x,
+            prepared.topk_ids,
+            num_experts=weights.num_experts,
+            max_m=max_m,
+            x_scales=prepared.x_scales,
+            expert_map=expert_map,
         )
         # DeepGEMM's scheduling hint: the mean rows per expert, rounded up to 16 (vLLM's choice).
-        expected_m = max(16, min(max_m, layouts.round_up(
-            -(-num_tokens * topk // weights.num_experts), 16)))
-        h = gemm1.masked(lay.rows, weights.w1, lay.num_tokens_per_expert,
-                         x_scales=lay.row_scales, w_scales=weights.w1_scale,
-                         expected_m=expected_m, out_dtype=mid_dtype)
+        expected_m = max(
+            16, min(max_m, layouts.round_up(-(-num_tokens * topk // weights.num_experts), 16))
+        )
+        h = gemm1.masked(
+            lay.rows,
+            weights.w1,
+            lay.num_tokens_per_expert,
+            x_scales=lay.row_scales,
+            w_scales=weights.w1_scale,
+            expected_m=expected_m,
+            out_dtype=mid_dtype,
+        )
         a, a_scales = _activate(h, call)
-        y = gemm2.masked(a, weights.w2, lay.num_tokens_per_expert, x_scales=a_scales,
-                         w_scales=weights.w2_scale, expected_m=expected_m, out_dtype=mid_dtype)
+        y = gemm2.masked(
+            a,
+            weights.w2,
+            lay.num_tokens_per_expert,
+            x_scales=a_scales,
+            w_scales=weights.w2_scale,
+            expected_m=expected_m,
+            out_dtype=mid_dtype,
+        )
         flat = y.reshape(-1, y.shape[-1])
-        return layouts.unpermute_reference(flat, lay.inverse, prepared.topk_weights,
-                                           out_dtype=call.out_dtype)
+        return layouts.unpermute_reference(
+            flat, lay.inverse, prepared.topk_weights, out_dtype=call.out_dtype
+        )
 
 
 # Names accepted by `fused_moe(experts=...)`; "auto" is resolved by `resolve_experts`.
@@ -208,8 +256,10 @@ def resolve_experts(
     if isinstance(experts, Experts):
         return experts
     if experts not in EXPERTS_NAMES:
-        raise ValueError(f"unknown experts {experts!r}; choose from {list(EXPERTS_NAMES)} "
-                         "or pass an Experts object")
+        raise ValueError(
+            f"unknown experts {experts!r}; choose from {list(EXPERTS_NAMES)} "
+            "or pass an Experts object"
+        )
     if experts != "auto":
         return _NAMED_EXPERTS[experts]()
     if jax.default_backend() == "cpu":

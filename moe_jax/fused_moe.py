@@ -1,4 +1,4 @@
-"""`fused_moe`: the functional front door (vLLM's `fused_experts` with the modular kernel inside)."""
+"""`fused_moe`: the functional front door (vLLM's `fused_experts` over the modular kernel)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def fused_moe(
       [T, H] in hidden_states.dtype.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> x = jnp.ones((2, 8)); w1 = jnp.ones((2, 4, 8)) / 8; w2 = jnp.ones((2, 8, 2))
       >>> out = fused_moe(x, w1, w2, jnp.array([[1.0], [-1.0]]), jnp.array([[0], [5]]))
       >>> [round(v, 4) for v in out[:, 0].tolist()]  # token 1 went to a missing expert
@@ -63,13 +64,23 @@ def fused_moe(
     if block_shape is not None:
         quant.Fp8BlockQuant(block_shape=tuple(block_shape))  # validates
     chosen = resolve_experts(
-        experts, ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale),
+        experts,
+        ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale),
         num_tokens=min(hidden_states.shape[0], chunk_size or hidden_states.shape[0]),
-        topk=topk_ids.shape[-1], x_dtype=hidden_states.dtype,
+        topk=topk_ids.shape[-1],
+        x_dtype=hidden_states.dtype,
     )
     layer = ModularMoE(NoEPPrepareFinalize(), chosen, chunk_size=chunk_size)
     return layer(
-        hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
-        global_num_experts=global_num_experts, expert_map=expert_map, w1_scale=w1_scale,
-        w2_scale=w2_scale, apply_router_weight_on_input=apply_router_weight_on_input,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        global_num_experts=global_num_experts,
+        expert_map=expert_map,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        apply_router_weight_on_input=apply_router_weight_on_input,
     )

@@ -8,9 +8,9 @@ Both layouts compute `y[row] = x[row] @ w[expert(row)].T` (NT, as DeepGEMM and v
 - masked: x [E, max_m, K] with `num_rows_per_expert[e]` valid rows; y [E, max_m, N], rows past the
   count unspecified.
 
-FP8 operands carry vLLM's block scales: x_scales float32 per row per 128 columns, w_scales float32
-[E, ceil(N/128), ceil(K/128)]. The product is `sum_kb (xq . wq)[kb] * x_scale[kb] * w_scale[n//128, kb]`
-accumulated in float32.
+FP8 operands carry vLLM's block scales: x_scales float32 per row per 128 columns, w_scales
+float32 [E, ceil(N/128), ceil(K/128)]. The product is
+`sum_kb (xq . wq)[kb] * x_scale[kb] * w_scale[n // 128, kb]`, accumulated in float32.
 
 Backends are chosen by name (`select_gemm`). Names map to modules that are imported only when asked
 for, so a backend whose library is missing stays listed and says why it cannot run.
@@ -188,8 +188,9 @@ class XlaGemm(GroupedGemm):
             return f"layout {problem.layout!r} is not one of {LAYOUTS}"
         return None
 
-    def contiguous(self, x, w, expert_ids, expert_ends, *, x_scales=None, w_scales=None,
-                   alignment, out_dtype):
+    def contiguous(
+        self, x, w, expert_ids, expert_ends, *, x_scales=None, w_scales=None, alignment, out_dtype
+    ):
         a, b = dequant_rows(x, x_scales), dequant_weights(w, w_scales)
         compute = jnp.promote_types(a.dtype, b.dtype)
         a, b = a.astype(compute), b.astype(compute)
@@ -198,13 +199,19 @@ class XlaGemm(GroupedGemm):
         y = _blockwise_gemm(a, b, expert_ids, alignment)
         return jnp.where((expert_ids >= 0)[:, None], y, 0).astype(out_dtype)
 
-    def masked(self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None,
-               expected_m=None, out_dtype):
+    def masked(
+        self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
+    ):
         del expected_m  # a scheduling hint for tuned kernels; the reference needs none
         a, b = dequant_rows(x, x_scales), dequant_weights(w, w_scales)
         compute = jnp.promote_types(a.dtype, b.dtype)
-        y = jnp.einsum("emk,enk->emn", a.astype(compute), b.astype(compute),
-                       precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        y = jnp.einsum(
+            "emk,enk->emn",
+            a.astype(compute),
+            b.astype(compute),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
         is_valid = jnp.arange(x.shape[1])[None, :] < num_rows_per_expert[:, None]
         return jnp.where(is_valid[..., None], y, 0).astype(out_dtype)
 

@@ -2,11 +2,11 @@
 
 These are the references the Pallas kernels in `moe_jax.kernels` must match bit for bit.
 
-Contiguous layout (DeepGEMM `m_grouped_*_contiguous`, torch `_grouped_mm`): every (token, slot) pair
-routed to a local expert becomes one row; rows are grouped by expert in ascending expert order; inside
-an expert, rows are ordered by token, then slot (so results are reproducible); every expert's segment
-is padded to a multiple of `alignment` rows. Padding rows carry expert id -1 and zero data. Worked
-example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]]:
+Contiguous layout (DeepGEMM `m_grouped_*_contiguous`, torch `_grouped_mm`): every (token, slot)
+pair routed to a local expert becomes one row; rows are grouped by expert in ascending expert
+order; inside an expert, rows are ordered by token, then slot (so results are reproducible); every
+expert's segment is padded to a multiple of `alignment` rows. Padding rows carry expert id -1 and
+zero data. Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]]:
 
     row  0      1    2    3    4      5      6      7    8 .. 11
          (0,1)  pad  pad  pad  (0,0)  (1,0)  (1,1)  pad  pad     <- (token, slot) feeding the row
@@ -56,7 +56,9 @@ def map_expert_ids(
     if expert_map is not None:
         num_global = expert_map.shape[0]
         in_range = (ids >= 0) & (ids < num_global)
-        ids = jnp.where(in_range, expert_map.astype(jnp.int32)[jnp.clip(ids, 0, num_global - 1)], -1)
+        ids = jnp.where(
+            in_range, expert_map.astype(jnp.int32)[jnp.clip(ids, 0, num_global - 1)], -1
+        )
     return jnp.where((ids >= 0) & (ids < num_experts), ids, -1)
 
 
@@ -181,8 +183,8 @@ def permute_reference(
     scatter_to = jnp.where(flat_dest >= 0, flat_dest, num_rows)  # out of range -> dropped
     token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), topk)
     source = jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(token_of_pair, mode="drop")
-    expert_ids = jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(
-        local.reshape(-1), mode="drop"
+    expert_ids = (
+        jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(local.reshape(-1), mode="drop")
     )
     has_source = source >= 0
 

@@ -40,8 +40,10 @@ def check_moe_inputs(
     if hidden_states.ndim != 2:
         raise ValueError(f"hidden_states.shape={hidden_states.shape} but [T, H] is needed")
     if hidden_states.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"hidden_states.dtype={hidden_states.dtype}; use bfloat16, float16 or "
-                        "float32 (FP8 activations are produced inside from the weights' recipe)")
+        raise TypeError(
+            f"hidden_states.dtype={hidden_states.dtype}; use bfloat16, float16 or "
+            "float32 (FP8 activations are produced inside from the weights' recipe)"
+        )
     num_tokens, hidden = hidden_states.shape
     w1, w2 = weights.w1, weights.w2
     if w1.ndim != 3 or w2.ndim != 3:
@@ -51,22 +53,27 @@ def check_moe_inputs(
     if w1_hidden != hidden or two_i != 2 * inter:
         raise ValueError(f"w1.shape={w1.shape} but [E, 2I, H={hidden}] with even 2I is needed")
     if w2.shape != (num_experts, hidden, inter):
-        raise ValueError(f"w2.shape={w2.shape} but [E, H, I] = {(num_experts, hidden, inter)} "
-                         f"is needed to match w1.shape={w1.shape}")
+        raise ValueError(
+            f"w2.shape={w2.shape} but [E, H, I] = {(num_experts, hidden, inter)} "
+            f"is needed to match w1.shape={w1.shape}"
+        )
     if w1.dtype != w2.dtype:
         raise TypeError(f"{w1.dtype=} differs from {w2.dtype=}")
     if weights.is_fp8:
         block = quant.DEFAULT_BLOCK_SHAPE[0]
         if hidden % block or inter % block:
-            raise ValueError(f"FP8 block weights need H and I to be multiples of {block}: "
-                             f"H={hidden}, I={inter}")
+            raise ValueError(
+                f"FP8 block weights need H and I to be multiples of {block}: H={hidden}, I={inter}"
+            )
         for name, w, s in (("w1", w1, weights.w1_scale), ("w2", w2, weights.w2_scale)):
             expected = quant.block_scale_shape(w.shape)
             if s is None:
                 raise ValueError(f"{name} is float8_e4m3fn: pass {name}_scale of shape {expected}")
             if s.shape != expected or s.dtype != jnp.float32:
-                raise ValueError(f"{name}_scale is {s.dtype}{list(s.shape)} but float32"
-                                 f"{list(expected)} is needed for {name}.shape={w.shape}")
+                raise ValueError(
+                    f"{name}_scale is {s.dtype}{list(s.shape)} but float32"
+                    f"{list(expected)} is needed for {name}.shape={w.shape}"
+                )
     elif not jnp.issubdtype(w1.dtype, jnp.floating):
         raise TypeError(f"w1.dtype={w1.dtype}; use a float dtype or float8_e4m3fn with scales")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
@@ -74,20 +81,25 @@ def check_moe_inputs(
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"topk_ids.dtype={topk_ids.dtype} but an integer dtype is needed")
     if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights.shape={topk_weights.shape} must equal "
-                         f"topk_ids.shape={topk_ids.shape}")
+        raise ValueError(
+            f"topk_weights.shape={topk_weights.shape} must equal topk_ids.shape={topk_ids.shape}"
+        )
     if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
         raise TypeError(f"topk_weights.dtype={topk_weights.dtype} but a float dtype is needed")
     if apply_router_weight_on_input and topk_ids.shape[1] != 1:
-        raise ValueError("apply_router_weight_on_input needs top-1 routing, "
-                         f"got topk_ids.shape={topk_ids.shape}")
+        raise ValueError(
+            f"apply_router_weight_on_input needs top-1 routing, got topk_ids.shape={topk_ids.shape}"
+        )
     if expert_map is not None:
         if expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer):
-            raise ValueError(f"expert_map is {expert_map.dtype}{list(expert_map.shape)} but "
-                             "int[E_global] is needed")
+            raise ValueError(
+                f"expert_map is {expert_map.dtype}{list(expert_map.shape)} but "
+                "int[E_global] is needed"
+            )
         if global_num_experts is not None and expert_map.shape[0] != global_num_experts:
-            raise ValueError(f"expert_map.shape={expert_map.shape} but "
-                             f"global_num_experts={global_num_experts}")
+            raise ValueError(
+                f"expert_map.shape={expert_map.shape} but global_num_experts={global_num_experts}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +146,14 @@ class ModularMoE:
         """Runs the layer; arguments as `moe_jax.fused_moe`. Returns [T, H] in the input dtype."""
         weights = ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale)
         check_moe_inputs(
-            hidden_states, weights, topk_weights, topk_ids, expert_map=expert_map,
+            hidden_states,
+            weights,
+            topk_weights,
+            topk_ids,
+            expert_map=expert_map,
             global_num_experts=global_num_experts,
-            apply_router_weight_on_input=apply_router_weight_on_input, activation=activation,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            activation=activation,
         )
         quant_config = quant.Fp8BlockQuant() if weights.is_fp8 else None
         out_dtype = hidden_states.dtype
@@ -144,7 +161,10 @@ class ModularMoE:
         if num_tokens == 0:
             return jnp.zeros((0, hidden), out_dtype)
         prepared = self.prepare_finalize.prepare(
-            hidden_states, topk_weights, topk_ids, quant_config=quant_config,
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            quant_config=quant_config,
             apply_router_weight_on_input=apply_router_weight_on_input,
         )
         call = ExpertsCall(activation=activation, quant_config=quant_config, out_dtype=out_dtype)

@@ -20,7 +20,7 @@ IMPLS = ("xla", "pallas", "pallas_interpret")
 
 
 def default_impl() -> str:
-    """"pallas" where the default backend is a GPU, else "xla"."""
+    """ "pallas" where the default backend is a GPU, else "xla"."""
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
@@ -59,14 +59,23 @@ def permute(
     impl = _resolve(impl)
     if impl == "xla":
         return layouts.permute_reference(
-            x, topk_ids, num_experts=num_experts, x_scales=x_scales, expert_map=expert_map,
+            x,
+            topk_ids,
+            num_experts=num_experts,
+            x_scales=x_scales,
+            expert_map=expert_map,
             alignment=alignment,
         )
     from moe_jax import kernels
 
     return kernels.permute(
-        x, topk_ids, num_experts=num_experts, x_scales=x_scales, expert_map=expert_map,
-        alignment=alignment, interpret=impl == "pallas_interpret",
+        x,
+        topk_ids,
+        num_experts=num_experts,
+        x_scales=x_scales,
+        expert_map=expert_map,
+        alignment=alignment,
+        interpret=impl == "pallas_interpret",
     )
 
 

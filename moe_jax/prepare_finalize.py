@@ -61,7 +61,7 @@ class SlotWeightAndReduce(WeightAndReduce):
 
 
 class PrepareFinalize(abc.ABC):
-    """Before/after the experts. Subclasses: `NoEPPrepareFinalize`; expert-parallel ones dispatch."""
+    """Before and after the experts: `NoEPPrepareFinalize`; expert-parallel variants dispatch."""
 
     @abc.abstractmethod
     def prepare(
@@ -97,8 +97,9 @@ def scale_by_router_weight(hidden_states: jax.Array, topk_weights: jax.Array) ->
 class NoEPPrepareFinalize(PrepareFinalize):
     """No expert parallelism: every expert is local; prepare only scales and quantizes."""
 
-    def prepare(self, hidden_states, topk_weights, topk_ids, *, quant_config,
-                apply_router_weight_on_input):
+    def prepare(
+        self, hidden_states, topk_weights, topk_ids, *, quant_config, apply_router_weight_on_input
+    ):
         weights = topk_weights.astype(jnp.float32)
         x = hidden_states
         if apply_router_weight_on_input:
@@ -107,8 +108,9 @@ class NoEPPrepareFinalize(PrepareFinalize):
         x_scales = None
         if quant_config is not None:
             x, x_scales = quant_config.quantize_activations(x)
-        return PreparedTokens(x=x, x_scales=x_scales, topk_ids=topk_ids.astype(jnp.int32),
-                              topk_weights=weights)
+        return PreparedTokens(
+            x=x, x_scales=x_scales, topk_ids=topk_ids.astype(jnp.int32), topk_weights=weights
+        )
 
     def finalize(self, expert_output, prepared, weight_and_reduce, *, out_dtype):
         return weight_and_reduce.apply(expert_output, prepared.topk_weights, out_dtype=out_dtype)

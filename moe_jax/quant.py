@@ -29,9 +29,7 @@ def _check_floating(x: jax.Array, name: str) -> None:
         raise TypeError(f"{name}.dtype={x.dtype} but a float16/bfloat16/float32 array is needed")
 
 
-def per_token_group_quant_fp8(
-    x: jax.Array, group_size: int = 128
-) -> tuple[jax.Array, jax.Array]:
+def per_token_group_quant_fp8(x: jax.Array, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
     """Quantizes activations to FP8 per token and per `group_size` columns.
 
     Args:
@@ -115,7 +113,9 @@ def dequant_per_block(
     """Inverse of `per_block_quant_fp8`: float32[..., N, K] = wq * scales per tile."""
     expected = block_scale_shape(wq.shape, block_shape)
     if scales.shape != expected:
-        raise ValueError(f"{wq.shape=} with {block_shape=} needs scales {expected}, got {scales.shape}")
+        raise ValueError(
+            f"{wq.shape=} with {block_shape=} needs scales {expected}, got {scales.shape}"
+        )
     bn, bk = block_shape
     *_, n, k = wq.shape
     full = jnp.repeat(jnp.repeat(scales, bn, axis=-2), bk, axis=-1)[..., :n, :k]

@@ -135,9 +135,7 @@ def grouped_topk(
     keep_expert = jnp.repeat(keep_group, per_group, axis=1)
     masked = jnp.where(keep_expert, choice, -jnp.inf)
     chosen, ids = jax.lax.top_k(masked, topk)
-    weights = (
-        jnp.take_along_axis(scores, ids, axis=1).astype(jnp.float32) if has_bias else chosen
-    )
+    weights = jnp.take_along_axis(scores, ids, axis=1).astype(jnp.float32) if has_bias else chosen
     if renormalize:
         weights = _renormalize(weights)
     return weights * routed_scaling_factor, ids.astype(jnp.int32)
