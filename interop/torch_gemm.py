@@ -1,0 +1,117 @@
+"""Grouped-GEMM backend "torch": `torch._grouped_mm` called from `jax.jit` through the bridge.
+
+- contiguous: `torch._grouped_mm(x, w.mT, offs=expert_ends)`; rows of expert e are
+  [expert_ends[e-1], expert_ends[e]), padding rows included (they are zero, so their outputs are
+  zero; rows past expert_ends[-1] are left as torch leaves them). torch returns a new tensor, which
+  is copied into XLA's output buffer: this backend costs one extra [M, N] copy.
+- masked: `torch.bmm(x, w.mT, out=...)` writes straight into XLA's buffer (every row is computed;
+  rows past num_rows_per_expert are unspecified by the contract).
+
+FP8 operands are dequantized in JAX first (to bfloat16 on the GPU, float32 on the CPU): this is a
+fallback that needs no FP8 kernel, not a fast FP8 path (use "deep_gemm"). On the GPU torch's grouped
+GEMM takes bfloat16 only, so float32 problems are refused there. On the CPU, torch 2.13's
+`_grouped_mm` handles bfloat16 and float32, which lets CI run the whole bridge.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import grouped_gemm
+from moe_jax.interop import bridge
+
+_GPU_DTYPES = ("bfloat16", "float8_e4m3fn")
+_CPU_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
+
+
+def _contiguous_fn(out, x, w, expert_ends):
+    torch = bridge.import_torch()
+    out.copy_(torch._grouped_mm(x, w.transpose(-2, -1), offs=expert_ends))
+
+
+def _masked_fn(out, x, w):
+    torch = bridge.import_torch()
+    if out.dtype == x.dtype:
+        torch.bmm(x, w.transpose(-2, -1), out=out)
+    else:
+        out.copy_(torch.bmm(x, w.transpose(-2, -1)))
+
+
+class TorchGemm(grouped_gemm.GroupedGemm):
+    """torch's grouped GEMM through the DLPack bridge (GPU: bfloat16; CPU: bfloat16/float32)."""
+
+    name = "torch"
+
+    def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
+        if problem.layout not in grouped_gemm.LAYOUTS:
+            return f"layout {problem.layout!r} is not one of {grouped_gemm.LAYOUTS}"
+        if importlib.util.find_spec("torch") is None:
+            return f"torch is not installed: {bridge.TORCH_INSTALL_HINT}"
+        if problem.platform == "gpu":
+            dtypes = _GPU_DTYPES
+            if problem.k % 8 or problem.n % 8:
+                return f"{problem.k=} and {problem.n=} must be multiples of 8 (16-byte rows on GPU)"
+        elif problem.platform == "cpu":
+            dtypes = _CPU_DTYPES
+        else:
+            return f"platform {problem.platform!r} is not cpu or gpu"
+        for dtype in (problem.x_dtype, problem.w_dtype):
+            if dtype not in dtypes:
+                return f"dtype {dtype} is not one of {dtypes} on {problem.platform}"
+        return None
+
+    def contiguous(
+        self, x, w, expert_ids, expert_ends, *, x_scales=None, w_scales=None, alignment, out_dtype
+    ):
+        del expert_ids, alignment  # segments come from expert_ends; padding rows are zero
+        _check_operands(x, w, x_scales, w_scales, rows_axis=0)
+        num_rows, n = x.shape[0], w.shape[1]
+        if num_rows == 0 or w.shape[0] == 0:
+            return jnp.zeros((num_rows, n), out_dtype)
+        a, b = _compute_operands(x, w, x_scales, w_scales)
+        call = bridge.torch_callback(_contiguous_fn, jax.ShapeDtypeStruct((num_rows, n), out_dtype))
+        return call(a, b, expert_ends.astype(jnp.int32))
+
+    def masked(
+        self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
+    ):
+        del num_rows_per_expert, expected_m  # every row is computed; no scheduling hint needed
+        _check_operands(x, w, x_scales, w_scales, rows_axis=1)
+        num_groups, max_m, n = x.shape[0], x.shape[1], w.shape[1]
+        if max_m == 0 or num_groups == 0:
+            return jnp.zeros((num_groups, max_m, n), out_dtype)
+        a, b = _compute_operands(x, w, x_scales, w_scales)
+        call = bridge.torch_callback(
+            _masked_fn, jax.ShapeDtypeStruct((num_groups, max_m, n), out_dtype)
+        )
+        return call(a, b)
+
+
+def _check_operands(x, w, x_scales, w_scales, *, rows_axis: int) -> None:
+    if w.ndim != 3:
+        raise ValueError(f"{w.shape=}: expected [E, N, K]")
+    if x.ndim != rows_axis + 2 or x.shape[-1] != w.shape[2]:
+        raise ValueError(f"{x.shape=} and {w.shape=}: x needs {rows_axis + 2} dims ending in K")
+    if rows_axis == 1 and x.shape[0] != w.shape[0]:
+        raise ValueError(f"{x.shape=} and {w.shape=}: masked x needs E groups")
+    if x.dtype == jnp.float8_e4m3fn and x_scales is None:
+        raise ValueError(f"{x.dtype=} needs x_scales (per_token_group_quant_fp8)")
+    if w.dtype == jnp.float8_e4m3fn and w_scales is None:
+        raise ValueError(f"{w.dtype=} needs w_scales (per_block_quant_fp8)")
+
+
+def _compute_operands(x, w, x_scales, w_scales) -> tuple[jax.Array, jax.Array]:
+    """Both operands in one dtype torch's grouped GEMM takes; FP8 is dequantized in JAX."""
+    a = grouped_gemm.dequant_rows(x, x_scales)
+    b = grouped_gemm.dequant_weights(w, w_scales)
+    if jax.default_backend() == "gpu":
+        compute = jnp.bfloat16
+    else:
+        compute = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(compute), b.astype(compute)
+
+
+grouped_gemm.register_gemm(TorchGemm())

@@ -1,0 +1,151 @@
+"""The DLPack bridge (moe_jax.interop.bridge) on the CPU: zero copy, jit, shard_map, dtypes."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the bridge needs torch (pip install 'moe_jax[torch]')")
+
+from moe_jax.interop import bridge  # noqa: E402
+
+DTYPES = [
+    jnp.float32,
+    jnp.bfloat16,
+    jnp.float16,
+    jnp.int32,
+    jnp.int8,
+    jnp.uint8,
+    jnp.bool_,
+    jnp.float8_e4m3fn,
+]
+
+
+def _copy(out, x):
+    out.copy_(x)
+
+
+def test_writes_into_xla_buffers_without_copies():
+    seen = {}
+
+    def scale(out, x):
+        seen["out"], seen["x"] = out.data_ptr(), x.data_ptr()
+        torch.mul(x, 3.0, out=out)
+
+    f = jax.jit(bridge.torch_callback(scale, jax.ShapeDtypeStruct((257,), jnp.float32)))
+    x = jax.random.normal(jax.random.key(0), (257,))
+    y = f(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 3.0)
+    assert seen["x"] == x.unsafe_buffer_pointer()  # the torch tensor is the JAX operand
+    assert seen["out"] == y.unsafe_buffer_pointer()  # the result was written in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_every_dtype_crosses_bit_exactly(dtype):
+    bits = jax.random.bits(jax.random.key(1), (5, 7), jnp.uint8)
+    if dtype == jnp.float8_e4m3fn:
+        x = jax.lax.bitcast_convert_type(bits, dtype)  # every bit pattern, NaNs included
+    elif dtype == jnp.bool_:
+        x = bits > 127
+    else:
+        x = (jax.random.normal(jax.random.key(2), (5, 7)) * 50).astype(dtype)
+    f = jax.jit(bridge.torch_callback(_copy, jax.ShapeDtypeStruct(x.shape, x.dtype)))
+    y = f(x)
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(x).view(np.uint8))
+
+
+def test_several_results_and_fresh_inputs_each_call():
+    def split(out, a, b):
+        torch.add(a, b, out=out[0])
+        out[1].copy_(a.to(torch.int32))
+
+    f = jax.jit(
+        bridge.torch_callback(
+            split,
+            (jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32)),
+        )
+    )
+    for seed in range(3):
+        a = jax.random.normal(jax.random.key(seed), (4,)) * 10
+        b = jnp.full((4,), float(seed))
+        total, ints = f(a, b)
+        np.testing.assert_allclose(np.asarray(total), np.asarray(a) + seed, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(ints), np.asarray(a).astype(np.int32))
+
+
+def test_composes_with_xla_ops_inside_jit():
+    f = bridge.torch_callback(_copy, jax.ShapeDtypeStruct((3, 4), jnp.float32))
+
+    @jax.jit
+    def g(x):
+        return f(jnp.sin(x)) * 2 + 1
+
+    x = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_allclose(
+        np.asarray(g(x)), np.sin(np.arange(12.0)).reshape(3, 4) * 2 + 1, rtol=1e-6
+    )
+
+
+def test_rejects_bad_result_spec():
+    with pytest.raises(TypeError, match="ShapeDtypeStruct"):
+        bridge.torch_callback(_copy, [(3, 4)])
+    with pytest.raises(ValueError, match="empty"):
+        bridge.torch_callback(_copy, [])
+
+
+def test_missing_torch_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'moe_jax\[torch\]'"):
+        bridge.import_torch()
+    with pytest.raises(ImportError, match=r"moe_jax\[torch\]"):
+        bridge.torch_callback(_copy, jax.ShapeDtypeStruct((1,), jnp.float32))
+
+
+_SHARD_MAP_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from moe_jax.interop.bridge import torch_callback
+
+    calls = []
+
+    def shard_fn(out, x):
+        calls.append(tuple(x.shape))
+        out.copy_(x * 2 + x.sum())
+
+    f = torch_callback(shard_fn, jax.ShapeDtypeStruct((3, 4), jnp.float32))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = jnp.arange(24.0).reshape(6, 4)
+    y = np.asarray(g(x))
+    xs = np.arange(24.0).reshape(2, 3, 4)
+    want = np.concatenate([s * 2 + s.sum() for s in xs])
+    print(json.dumps({"calls": calls, "ok": bool(np.allclose(y, want)), "n": len(jax.devices())}))
+    """
+)
+
+
+def test_runs_once_per_shard_under_shard_map():
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _SHARD_MAP_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["n"] == 2
+    assert sorted(map(tuple, result["calls"])) == [(3, 4), (3, 4)]
+    assert result["ok"]
