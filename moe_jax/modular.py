@@ -128,7 +128,11 @@ class ModularMoE:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"chunk_size={self.chunk_size} must be positive or None")
 
-    def __call__(
+    def __call__(self, *args, **kwargs) -> jax.Array:
+        """Runs the layer; arguments as `forward` (and `moe_jax.fused_moe`). Returns [T, H]."""
+        return self.forward(*args, **kwargs)[0]
+
+    def forward(
         self,
         hidden_states: jax.Array,
         w1: jax.Array,
@@ -142,8 +146,13 @@ class ModularMoE:
         w1_scale: jax.Array | None = None,
         w2_scale: jax.Array | None = None,
         apply_router_weight_on_input: bool = False,
-    ) -> jax.Array:
-        """Runs the layer; arguments as `moe_jax.fused_moe`. Returns [T, H] in the input dtype."""
+    ) -> tuple[jax.Array, PreparedTokens | None]:
+        """Runs the layer; arguments as `moe_jax.fused_moe`.
+
+        Returns:
+          ([T, H] in the input dtype, the `PreparedTokens` the experts saw, None when T == 0);
+          an expert-parallel prepare's tokens carry its dispatch statistics.
+        """
         weights = ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale)
         check_moe_inputs(
             hidden_states,
@@ -159,7 +168,7 @@ class ModularMoE:
         out_dtype = hidden_states.dtype
         num_tokens, hidden = hidden_states.shape
         if num_tokens == 0:
-            return jnp.zeros((0, hidden), out_dtype)
+            return jnp.zeros((0, hidden), out_dtype), None
         prepared = self.prepare_finalize.prepare(
             hidden_states,
             topk_weights,
@@ -169,9 +178,10 @@ class ModularMoE:
         )
         call = ExpertsCall(activation=activation, quant_config=quant_config, out_dtype=out_dtype)
         expert_output = self._run_experts(prepared, weights, expert_map=expert_map, call=call)
-        return self.prepare_finalize.finalize(
+        out = self.prepare_finalize.finalize(
             expert_output, prepared, self.experts.weight_and_reduce(), out_dtype=out_dtype
         )
+        return out, prepared
 
     def _run_experts(self, prepared: PreparedTokens, weights, *, expert_map, call) -> jax.Array:
         num_tokens = prepared.x.shape[0]

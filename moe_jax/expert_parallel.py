@@ -1,0 +1,481 @@
+"""Expert parallelism on JAX collectives: `AllToAllPrepareFinalize`, used inside `jax.shard_map`.
+
+R ranks along one mesh axis each hold T tokens (their own routing, global expert ids) and E // R
+experts: rank r owns global experts [r * E_local, (r + 1) * E_local) (vLLM's `expert_map` with
+E % R == 0). One forward:
+
+    prepare   every (token, slot) pair whose id is in [0, E) goes to rank id // E_local, as one
+              row (FP8 rows + scales when the weights are FP8: quantized before the exchange).
+              The send buffer is [R, C, H]: block d holds the pairs for rank d in (token, slot)
+              order, C = `capacity_per_rank` rows; pairs beyond C are dropped and counted.
+    experts   the received [R * C, H] rows, each with its local expert id (top-1, weight 1;
+              empty rows carry id -1), run through any `Experts` object with the local weights.
+    finalize  the outputs travel back into the sender's [R, C, H] slots; each token sums its
+              slots in slot order in float32 with its router weights (vLLM's `ep_gather`).
+
+Worked example, R=2, E=4 (E_local=2), C=2, on rank 0 with topk_ids [[3, 0], [2, 2]]:
+
+    pair (t, j)   (0,0)  (0,1)  (1,0)  (1,1)
+    rank, local   1, 1   0, 0   1, 0   1, 0
+    slot          2      0      3      -1 (rank 1's block is full: dropped, num_dropped = 1)
+
+Transports, chosen by `EPConfig.transport` (both exchange the same [R, C, ...] buffers):
+- "padded": `jax.lax.all_to_all` of the whole buffers. Runs everywhere (XLA:CPU included).
+- "ragged": `jax.lax.ragged_all_to_all` moving only the used rows of each block. XLA:CPU does not
+  implement it (jax #34755); "auto" picks it on GPU and "padded" elsewhere.
+
+Static shapes: C defaults to T * k, the worst case, so nothing can be dropped; the receive buffer
+is then R * T * k rows. A smaller C bounds memory and traffic; `EPStats` then reports, per rank,
+the pairs routed to each rank and the pairs dropped. `ModularMoE.__call__` returns only the
+output: use `ep_moe`, `ep_fused_moe` or `ModularMoE.forward` to see the statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moe_jax import layouts, quant
+from moe_jax._pytree import pytree_dataclass
+from moe_jax.experts import ContiguousExperts, Experts
+from moe_jax.modular import ModularMoE
+from moe_jax.prepare_finalize import (
+    PreparedTokens,
+    PrepareFinalize,
+    WeightAndReduce,
+    scale_by_router_weight,
+)
+
+TRANSPORTS = ("auto", "padded", "ragged")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EPConfig:
+    """How tokens cross ranks.
+
+    Attributes:
+      axis_name: the mesh axis the experts and tokens are split over.
+      capacity_per_rank: rows one rank may send to each rank per forward (C); None means
+        T * k, which never drops.
+      transport: "auto" (ragged on GPU, padded elsewhere), "padded" or "ragged".
+    """
+
+    axis_name: str
+    capacity_per_rank: int | None = None
+    transport: str = "auto"
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose from {TRANSPORTS}")
+        if self.capacity_per_rank is not None and self.capacity_per_rank <= 0:
+            raise ValueError(f"capacity_per_rank={self.capacity_per_rank} must be positive or None")
+
+    def resolved_transport(self) -> str:
+        if self.transport != "auto":
+            return self.transport
+        return "ragged" if jax.default_backend() == "gpu" else "padded"
+
+    def capacity(self, num_tokens: int, topk: int) -> int:
+        return num_tokens * topk if self.capacity_per_rank is None else self.capacity_per_rank
+
+
+@pytree_dataclass
+class EPStats:
+    """What one rank's dispatch did (per rank inside `shard_map`; stacked over ranks outside).
+
+    Attributes:
+      num_routed_per_rank: int32[R] pairs this rank routed to each rank, before the capacity.
+      num_dropped: int32[] pairs that did not fit (sum of max(routed - C, 0)); their expert
+        output is missing from the result.
+    """
+
+    num_routed_per_rank: jax.Array
+    num_dropped: jax.Array
+
+
+@pytree_dataclass
+class EPHandle:
+    """What finalize needs to bring the expert outputs home.
+
+    Attributes:
+      slot: int32[T, k] send-buffer row (dest * C + position) of each pair, -1 when routed
+        nowhere or dropped.
+      topk_weights: float32[T, k] router weights still to apply.
+      num_sent_per_rank: int32[R] rows sent to each rank (min(routed, C)).
+      num_recv_per_rank: int32[R] rows received from each rank.
+      stats: `EPStats`.
+    """
+
+    slot: jax.Array
+    topk_weights: jax.Array
+    num_sent_per_rank: jax.Array
+    num_recv_per_rank: jax.Array
+    stats: EPStats
+
+
+@pytree_dataclass
+class EPPreparedTokens(PreparedTokens):
+    """`PreparedTokens` of the received rows ([R * C] tokens, top-1 local ids) plus the handle."""
+
+    handle: EPHandle
+
+
+def expert_map_for_rank(num_experts: int, num_ranks: int, rank: int) -> jax.Array:
+    """vLLM's `determine_expert_map`: int32[E] local index of each global expert, -1 elsewhere.
+
+    Rank r owns [r * (E // R), (r + 1) * (E // R)); the last rank also takes the remainder.
+
+    Example:
+      >>> expert_map_for_rank(5, 2, 1).tolist()
+      [-1, -1, 0, 1, 2]
+    """
+    if not 0 <= rank < num_ranks or num_experts < num_ranks:
+        raise ValueError(f"{rank=} must be in [0, {num_ranks=}) with {num_experts=} >= num_ranks")
+    base = num_experts // num_ranks
+    start = rank * base
+    count = base + (num_experts % num_ranks if rank == num_ranks - 1 else 0)
+    ids = jnp.arange(num_experts, dtype=jnp.int32)
+    return jnp.where((ids >= start) & (ids < start + count), ids - start, -1)
+
+
+def axis_size(axis_name: str) -> int:
+    """Static size of a mapped mesh axis (inside `shard_map`)."""
+    if hasattr(jax.lax, "axis_size"):
+        return jax.lax.axis_size(axis_name)
+    return jax.lax.psum(1, axis_name)
+
+
+def send_slots(
+    topk_ids: jax.Array, *, num_experts: int, num_ranks: int, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each pair goes (the module docstring's worked example).
+
+    Args:
+      topk_ids: int[T, k] global expert ids; ids outside [0, num_experts) go nowhere.
+      num_experts: E, global; a multiple of num_ranks.
+      num_ranks: R.
+      capacity: C, rows per destination rank.
+
+    Returns:
+      (slot int32[T, k]: dest * C + position or -1; local_ids int32[T, k]: the expert's index on
+      its rank, -1 when routed nowhere; num_routed_per_rank int32[R], before the capacity).
+
+    Example:
+      >>> slot, local, routed = send_slots(jnp.array([[3, 0], [2, 2]]), num_experts=4,
+      ...                                  num_ranks=2, capacity=2)
+      >>> slot.tolist(), local.tolist(), routed.tolist()
+      ([[2, 0], [3, -1]], [[1, 0], [0, 0]], [1, 3])
+    """
+    experts_per_rank = num_experts // num_ranks
+    ids = topk_ids.astype(jnp.int32)
+    is_valid = (ids >= 0) & (ids < num_experts)
+    dest = jnp.where(is_valid, ids // experts_per_rank, -1)
+    one_hot = (dest.reshape(-1)[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)).astype(
+        jnp.int32
+    )
+    routed = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
+    # Position among earlier pairs for the same rank, in (token, slot) order.
+    position = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
+    position = position.reshape(ids.shape)
+    fits = is_valid & (position < capacity)
+    slot = jnp.where(fits, dest * capacity + position, -1).astype(jnp.int32)
+    local = jnp.where(is_valid, ids - dest * experts_per_rank, -1).astype(jnp.int32)
+    return slot, local, routed
+
+
+def _scatter_rows(values: jax.Array, slot: jax.Array, num_rows: int, fill) -> jax.Array:
+    """[T, ...] per-token (or [T, k, ...] per-pair) values -> [num_rows, ...] at `slot` rows."""
+    num_tokens, topk = slot.shape
+    flat = slot.reshape(-1)
+    target = jnp.where(flat >= 0, flat, num_rows)  # out of range -> dropped by the scatter
+    if values.shape[:2] == slot.shape:
+        per_pair = values.reshape(num_tokens * topk, *values.shape[2:])
+    else:
+        per_pair = jnp.repeat(values, topk, axis=0)
+    buffer = jnp.full((num_rows, *per_pair.shape[1:]), fill, values.dtype)
+    return buffer.at[target].set(per_pair, mode="drop")
+
+
+def _exchange(
+    buffer: jax.Array,
+    fill,
+    *,
+    config: EPConfig,
+    num_ranks: int,
+    capacity: int,
+    send_sizes: jax.Array,
+    recv_sizes: jax.Array,
+) -> jax.Array:
+    """[R * C, ...] blocks by destination -> [R * C, ...] blocks by source (and back)."""
+    axis = config.axis_name
+    if config.resolved_transport() == "padded":
+        return jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)
+    wire = buffer
+    is_fp8 = buffer.dtype == quant.FP8_DTYPE
+    if is_fp8:  # collectives move bytes; keep the op on a plain integer type
+        wire = jax.lax.bitcast_convert_type(buffer, jnp.uint8)
+        fill = 0
+    starts = jnp.arange(num_ranks, dtype=jnp.int32) * capacity
+    # Each receiver keeps blocks by source at stride C, so this rank's rows land at rank * C.
+    here = jnp.full((num_ranks,), jax.lax.axis_index(axis) * capacity, jnp.int32)
+    out = jax.lax.ragged_all_to_all(
+        wire,
+        jnp.full_like(wire, fill),
+        starts,
+        send_sizes.astype(jnp.int32),
+        here,
+        recv_sizes.astype(jnp.int32),
+        axis_name=axis,
+    )
+    return jax.lax.bitcast_convert_type(out, quant.FP8_DTYPE) if is_fp8 else out
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAllPrepareFinalize(PrepareFinalize):
+    """Expert-parallel prepare/finalize on JAX all-to-all collectives (module docstring).
+
+    Call inside `jax.shard_map` over `config.axis_name`, with this rank's tokens, their global
+    routing, and this rank's E_local experts' weights.
+
+    Attributes:
+      config: `EPConfig`.
+      num_experts: E, global; must be a multiple of the axis size.
+    """
+
+    config: EPConfig
+    num_experts: int
+
+    def prepare(
+        self, hidden_states, topk_weights, topk_ids, *, quant_config, apply_router_weight_on_input
+    ):
+        num_ranks = axis_size(self.config.axis_name)
+        if self.num_experts % num_ranks:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not a multiple of the "
+                f"{num_ranks} ranks on axis {self.config.axis_name!r}: give every rank E // R "
+                "experts (pad the expert set with unused experts if needed)"
+            )
+        num_tokens, topk = topk_ids.shape
+        capacity = self.config.capacity(num_tokens, topk)
+        num_rows = num_ranks * capacity
+        weights = topk_weights.astype(jnp.float32)
+        x = hidden_states
+        if apply_router_weight_on_input:
+            x = scale_by_router_weight(x, weights)
+            weights = jnp.ones_like(weights)
+        x_scales = None
+        if quant_config is not None:  # quantize before the exchange: FP8 rows + scales travel
+            x, x_scales = quant_config.quantize_activations(x)
+        slot, local, routed = send_slots(
+            topk_ids, num_experts=self.num_experts, num_ranks=num_ranks, capacity=capacity
+        )
+        sent = jnp.minimum(routed, capacity)
+        received = jax.lax.all_to_all(sent, self.config.axis_name, 0, 0, tiled=True)
+        exchange = dict(
+            config=self.config,
+            num_ranks=num_ranks,
+            capacity=capacity,
+            send_sizes=sent,
+            recv_sizes=received,
+        )
+        rows = _exchange(_scatter_rows(x, slot, num_rows, 0), 0, **exchange)
+        scales = None
+        if x_scales is not None:
+            scales = _exchange(_scatter_rows(x_scales, slot, num_rows, 0), 0, **exchange)
+        ids = _exchange(_scatter_rows(local, slot, num_rows, -1), -1, **exchange)
+        stats = EPStats(
+            num_routed_per_rank=routed,
+            num_dropped=jnp.sum(routed - sent, dtype=jnp.int32),
+        )
+        handle = EPHandle(
+            slot=slot,
+            topk_weights=weights,
+            num_sent_per_rank=sent,
+            num_recv_per_rank=received,
+            stats=stats,
+        )
+        return EPPreparedTokens(
+            x=rows,
+            x_scales=scales,
+            topk_ids=ids[:, None],
+            topk_weights=jnp.ones((num_rows, 1), jnp.float32),
+            handle=handle,
+        )
+
+    def finalize(self, expert_output, prepared, weight_and_reduce: WeightAndReduce, *, out_dtype):
+        handle = prepared.handle
+        num_ranks = handle.num_sent_per_rank.shape[0]
+        capacity = prepared.x.shape[0] // num_ranks
+        # Weight 1 per received row: the outputs return unweighted, in the output dtype (exact
+        # for bf16/float32 layers: the experts' GEMM2 output is already in that precision).
+        per_row = weight_and_reduce.apply(expert_output, prepared.topk_weights, out_dtype=out_dtype)
+        back = _exchange(
+            per_row,
+            0,
+            config=self.config,
+            num_ranks=num_ranks,
+            capacity=capacity,
+            send_sizes=handle.num_recv_per_rank,
+            recv_sizes=handle.num_sent_per_rank,
+        )
+        return layouts.unpermute_reference(
+            back, handle.slot, handle.topk_weights, out_dtype=out_dtype
+        )
+
+
+def ep_moe(
+    hidden_states: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    config: EPConfig,
+    num_experts: int | None = None,
+    experts: Experts | None = None,
+    activation: str = "silu",
+    w1_scale: jax.Array | None = None,
+    w2_scale: jax.Array | None = None,
+    apply_router_weight_on_input: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, EPStats]:
+    """One rank's expert-parallel MoE forward; call inside `jax.shard_map` over `config.axis_name`.
+
+    Args:
+      hidden_states: [T, H] this rank's tokens.
+      w1: [E_local, 2I, H] this rank's experts (global ids [rank * E_local, (rank+1) * E_local)).
+      w2: [E_local, H, I].
+      topk_weights: float[T, k] router weights of this rank's tokens.
+      topk_ids: int[T, k] global expert ids; ids outside [0, E) go nowhere.
+      config: `EPConfig` (axis, capacity, transport).
+      num_experts: E, global; None means E_local * R.
+      experts: runs the local experts; None means `ContiguousExperts(gemm="xla")`.
+      activation, w1_scale, w2_scale, apply_router_weight_on_input: as `moe_jax.fused_moe`.
+      chunk_size: run the experts over chunks of at most this many received rows.
+
+    Returns:
+      (out [T, H] in hidden_states.dtype, `EPStats` of this rank).
+
+    Example (2 CPU devices needed, so not run as a doctest)::
+
+      mesh = jax.make_mesh((2,), ("ep",))
+      f = jax.shard_map(functools.partial(ep_moe, config=EPConfig(axis_name="ep")), mesh=mesh,
+                        in_specs=P("ep"), out_specs=(P("ep"), P()), check_vma=False)
+    """
+    num_ranks = axis_size(config.axis_name)
+    num_experts = w1.shape[0] * num_ranks if num_experts is None else num_experts
+    if w1.shape[0] * num_ranks != num_experts:
+        raise ValueError(
+            f"w1.shape={w1.shape} holds E_local={w1.shape[0]} experts but "
+            f"{num_experts=} over {num_ranks} ranks needs E_local = E // R"
+        )
+    layer = ModularMoE(
+        AllToAllPrepareFinalize(config, num_experts),
+        experts if experts is not None else ContiguousExperts(gemm="xla"),
+        chunk_size=chunk_size,
+    )
+    out, prepared = layer.forward(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+    )
+    if prepared is None:  # no tokens: no exchange happened
+        return out, EPStats(
+            num_routed_per_rank=jnp.zeros((num_ranks,), jnp.int32),
+            num_dropped=jnp.zeros((), jnp.int32),
+        )
+    return out, prepared.handle.stats
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+    """`jax.shard_map` (jax >= 0.7) or `jax.experimental.shard_map.shard_map`, unchecked."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy_shard_map
+
+    return legacy_shard_map(f, mesh, in_specs, out_specs, check_rep=False)
+
+
+def ep_fused_moe(
+    mesh: jax.sharding.Mesh,
+    hidden_states: jax.Array,
+    w1: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    axis_name: str,
+    capacity_per_rank: int | None = None,
+    transport: str = "auto",
+    experts: Experts | None = None,
+    activation: str = "silu",
+    w1_scale: jax.Array | None = None,
+    w2_scale: jax.Array | None = None,
+    apply_router_weight_on_input: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, EPStats]:
+    """`fused_moe` with tokens and experts split over `mesh` axis `axis_name` (R ranks).
+
+    Args:
+      mesh: a mesh with axis `axis_name`.
+      hidden_states: [R * T, H] tokens; rank r holds rows [r * T, (r + 1) * T).
+      w1, w2 (, w1_scale, w2_scale): all E experts, [E, ...]; rank r holds experts
+        [r * E // R, (r + 1) * E // R). E must be a multiple of R.
+      topk_weights, topk_ids: [R * T, k] routing with global ids.
+      capacity_per_rank, transport: see `EPConfig`.
+      experts, activation, apply_router_weight_on_input, chunk_size: as `ep_moe`.
+
+    Returns:
+      (out [R * T, H], `EPStats` stacked over ranks: num_routed_per_rank int32[R, R]
+      (row = sender), num_dropped int32[R]).
+
+    Example:
+      >>> mesh = jax.make_mesh((1,), ("ep",))
+      >>> x = jnp.ones((2, 8)); w1 = jnp.ones((2, 4, 8)) / 8; w2 = jnp.ones((2, 8, 2))
+      >>> out, stats = ep_fused_moe(mesh, x, w1, w2, jnp.array([[1.0], [-1.0]]),
+      ...                           jnp.array([[0], [5]]), axis_name="ep")
+      >>> [round(v, 4) for v in out[:, 0].tolist()], stats.num_dropped.tolist()
+      ([1.4621, 0.0], [0])
+    """
+    config = EPConfig(axis_name=axis_name, capacity_per_rank=capacity_per_rank, transport=transport)
+    num_experts = w1.shape[0]
+
+    def local(x, w1, w2, weights, ids, w1_scale, w2_scale):
+        out, stats = ep_moe(
+            x,
+            w1,
+            w2,
+            weights,
+            ids,
+            config=config,
+            num_experts=num_experts,
+            experts=experts,
+            activation=activation,
+            w1_scale=w1_scale,
+            w2_scale=w2_scale,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            chunk_size=chunk_size,
+        )
+        return out, jax.tree.map(lambda a: a[None], stats)
+
+    spec = PartitionSpec(axis_name)
+    scale_spec = None if w1_scale is None else spec
+    mapped = shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(spec, spec, spec, spec, spec, scale_spec, scale_spec),
+        out_specs=(spec, EPStats(num_routed_per_rank=spec, num_dropped=spec)),
+    )
+    args = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale)
+    # Lay the inputs out as the specs say (an Explicit-axes mesh will not reshard implicitly).
+    sharded = [None if a is None else jax.device_put(a, NamedSharding(mesh, spec)) for a in args]
+    return jax.jit(mapped)(*sharded)
