@@ -15,8 +15,8 @@ shard's buffers and stream.
 
 Per-call host work is kept small: the callback's shape bookkeeping is done at trace time, DLPack
 capsules are made and consumed directly (`torch.from_dlpack` asks torch for its current stream on
-every CUDA call), one `torch.cuda.ExternalStream` is cached per XLA stream, and the current stream is
-switched with torch's two C entry points that `torch.cuda.stream` itself uses.
+every CUDA call), one `torch.cuda.ExternalStream` is cached per XLA stream, and the current
+stream is switched with the two C entry points that `torch.cuda.stream` itself uses.
 
 Hazards, stated plainly:
 - Tensors handed to `fn` alias XLA buffers that live only for the call: `fn` must not keep them.

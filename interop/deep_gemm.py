@@ -31,9 +31,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from moe_jax.interop import bridge
 
 from moe_jax import grouped_gemm, quant
-from moe_jax.interop import bridge
 
 BLOCK = 128  # DeepGEMM's scale granularity and contiguous-layout row alignment on sm_90/sm_100
 SUPPORTED_ARCHS = ("9.0", "10.0")
@@ -97,7 +97,7 @@ def mn_major_scales(x_scales: jax.Array) -> jax.Array:
 
 
 def tma_aligned_view(sfa_t: Any, num_rows: int) -> Any:
-    """The torch [..., M, G] view of `mn_major_scales` storage with strides (..., 1, align(M, 4))."""
+    """Torch [..., M, G] view of `mn_major_scales` storage, strides (..., 1, align(M, 4))."""
     *lead, groups, padded = sfa_t.shape
     if not lead:
         return sfa_t.as_strided((num_rows, groups), (1, padded))
