@@ -1,0 +1,279 @@
+"""Pallas GPU permute: tokens -> contiguous expert-major rows (`moe_jax.layouts.ContiguousLayout`).
+
+Two steps. The routing metadata (where each (token, slot) lands, per-expert counts, which token
+feeds each output row) is O(T*k) integers and is computed with jnp ops. A Pallas Triton kernel then
+does the heavy part in gather form: one program per block of output rows and hidden columns reads
+the source token of each row and copies it, writing zeros on padding rows. Every output element is
+written exactly once, with no atomics, so interpret mode (CPU tests) runs the same program.
+
+Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (pairs p = token*k + slot = 0..3):
+
+    pair p          0  1  2  3        key (expert, E for invalid)   1  0  1  1
+    rank in expert  0  0  1  2        segment starts (padded)       e0: 0, e1: 4
+    dest = start[key] + rank:         inverse = [[4, 0], [5, 6]]
+    source (token per output row):    [0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1]
+
+The rank of a pair among earlier pairs of its expert is a two-level scan: pairs are cut into blocks
+of `_RANK_BLOCK`; a per-block histogram [blocks, E] with an exclusive cumsum over blocks counts the
+earlier blocks, and an in-block comparison [blocks, B, B] counts earlier pairs of the same block.
+That is O(T*k*(E + B)) compares fused into reductions, instead of the reference's [T*k, E] cumsum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from moe_jax import layouts
+from moe_jax.kernels import _triton
+
+# Pairs per block of the two-level rank scan; [blocks, B, B] compares, B a power of two.
+_RANK_BLOCK = 128
+_ROW_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
+# Copies move bits: each row dtype travels as the unsigned integer of its width.
+_BITS_DTYPE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PermuteConfig:
+    """Tunables of the row-gather kernel.
+
+    Attributes:
+      block_m: output rows per program (power of two).
+      block_h: hidden columns per program (power of two); a tail past H is masked.
+      num_warps: Triton warps per program.
+      num_stages: Triton pipeline stages (the kernel has no loop; 1 is enough).
+    """
+
+    block_m: int = 16
+    block_h: int = 1024
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_h", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"PermuteConfig.{name}={value} but a power of two is needed")
+        if self.num_stages < 1:
+            raise ValueError(f"PermuteConfig.num_stages={self.num_stages} but >= 1 is needed")
+
+
+def heuristic_config(num_rows: int, hidden: int, itemsize: int) -> PermuteConfig:
+    """Block sizes for copying `num_rows` rows of `hidden` elements of `itemsize` bytes.
+
+    About 2 KiB of each row per program (16-byte vectors for 128 threads) and 16 rows, so a program
+    moves ~32 KiB; rows-blocks shrink for tiny problems.
+    """
+    block_h = _triton.hidden_block(hidden, cap=max(64, 2048 // itemsize))
+    block_m = min(16, _triton.next_power_of_2(num_rows))
+    return PermuteConfig(block_m=block_m, block_h=block_h, num_warps=4, num_stages=1)
+
+
+def _gather_rows_kernel(
+    # inputs
+    source_ref,
+    x_ref,
+    # outputs
+    out_ref,
+    *,
+    block_m: int,
+    block_h: int,
+    num_rows: int,
+    num_tokens: int,
+    hidden: int,
+):
+    """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile."""
+    rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
+    cols = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
+    row_ok = rows < num_rows
+    col_ok = cols < hidden
+    source = plt.load(source_ref.at[jnp.where(row_ok, rows, 0)], mask=row_ok, other=-1)
+    has_source = source >= 0
+    # Clamped indices keep masked lanes in bounds; the mask decides what is read.
+    taken = plt.load(
+        x_ref.at[jnp.clip(source, 0, num_tokens - 1)[:, None], cols[None, :]],
+        mask=has_source[:, None] & col_ok[None, :],
+        other=0,
+    )
+    plt.store(
+        out_ref.at[rows[:, None], cols[None, :]], taken, mask=row_ok[:, None] & col_ok[None, :]
+    )
+
+
+def _gather_rows(
+    a: jax.Array, source: jax.Array, *, config: PermuteConfig, interpret: bool
+) -> jax.Array:
+    """Rows a[source[r]] (zero where source[r] < 0): [M, C] in a.dtype, bit-exact."""
+    num_tokens, cols = a.shape
+    num_rows = source.shape[0]
+    bits = jax.lax.bitcast_convert_type(a, _BITS_DTYPE[a.dtype.itemsize])
+    block_h = min(config.block_h, _triton.next_power_of_2(cols))
+    grid = (pl.cdiv(num_rows, config.block_m), pl.cdiv(cols, block_h))
+    kernel = functools.partial(
+        _gather_rows_kernel,
+        block_m=config.block_m,
+        block_h=block_h,
+        num_rows=num_rows,
+        num_tokens=num_tokens,
+        hidden=cols,
+    )
+    with _triton.quiet_triton_deprecation():
+        out = pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=jax.ShapeDtypeStruct((num_rows, cols), bits.dtype),
+            interpret=interpret,
+            compiler_params=_triton.compiler_params(
+                num_warps=config.num_warps, num_stages=config.num_stages
+            ),
+            name=f"permute_{config.block_m=}_{block_h=}_{config.num_warps=}",
+        )(source, bits)
+    return jax.lax.bitcast_convert_type(out, a.dtype)
+
+
+def routing_metadata(
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Destinations of a routing in the contiguous layout (see the module docstring).
+
+    Args:
+      local_ids: int32[T, k] local ids in [0, E) or -1 (`layouts.map_expert_ids`), T*k > 0.
+
+    Returns:
+      (inverse int32[T, k] (-1 invalid), num_tokens_per_expert int32[E], expert_ends int32[E],
+      source int32[M] token feeding each row (-1 padding), expert_ids int32[M] (-1 padding)).
+    """
+    num_tokens, topk = local_ids.shape
+    num_pairs = num_tokens * topk
+    flat = local_ids.reshape(-1)
+    key = jnp.where(flat >= 0, flat, num_experts)  # invalid pairs share the sentinel bucket E
+    block = min(_RANK_BLOCK, _triton.next_power_of_2(num_pairs))
+    num_blocks = pl.cdiv(num_pairs, block)
+    blocked = jnp.pad(key, (0, num_blocks * block - num_pairs), constant_values=num_experts)
+    blocked = blocked.reshape(num_blocks, block)
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+    per_block = jnp.sum(
+        blocked[:, :, None] == experts[None, None, :], axis=1, dtype=jnp.int32
+    )  # [blocks, E]
+    counts = jnp.sum(per_block, axis=0, dtype=jnp.int32)
+    before_block = jnp.cumsum(per_block, axis=0, dtype=jnp.int32) - per_block
+    lanes = jnp.arange(block, dtype=jnp.int32)
+    earlier = lanes[None, :] < lanes[:, None]  # [p, q]: q comes before p
+    same = blocked[:, :, None] == blocked[:, None, :]
+    rank_in_block = jnp.sum(same & earlier[None], axis=2, dtype=jnp.int32)  # [blocks, B]
+    expert = jnp.minimum(blocked, num_experts - 1)
+    rank = jnp.take_along_axis(before_block, expert, axis=1) + rank_in_block
+    padded = (counts + alignment - 1) // alignment * alignment
+    ends = jnp.cumsum(padded, dtype=jnp.int32)
+    dest = (ends - padded)[expert] + rank
+    dest = jnp.where(blocked < num_experts, dest, -1).reshape(-1)[:num_pairs]
+    scatter_to = jnp.where(dest >= 0, dest, num_rows)  # out of range -> dropped
+    pair_of_row = (
+        jnp.full((num_rows,), -1, jnp.int32)
+        .at[scatter_to]
+        .set(jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
+    )
+    has_pair = pair_of_row >= 0
+    source = jnp.where(has_pair, pair_of_row // topk, -1)
+    expert_ids = jnp.where(has_pair, flat[jnp.maximum(pair_of_row, 0)], -1)
+    return dest.reshape(num_tokens, topk), counts, ends, source, expert_ids
+
+
+def _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment):
+    if x.ndim != 2 or x.dtype not in _ROW_DTYPES:
+        raise TypeError(
+            f"{x.shape=} {x.dtype=} but x must be [T, H] in bf16, float16, float32 or float8_e4m3fn"
+        )
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{x.shape=} but {topk_ids.shape=}: topk_ids must be [T, k], T as in x")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"{topk_ids.dtype=} but an integer dtype is needed")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{num_experts=} but a positive int is needed")
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{alignment=} but a positive int is needed")
+    if x_scales is not None:
+        if x_scales.ndim != 2 or x_scales.shape[0] != x.shape[0]:
+            raise ValueError(f"{x.shape=} but {x_scales.shape=}: x_scales must be [T, G]")
+        if x_scales.dtype != jnp.float32:
+            raise TypeError(f"{x_scales.dtype=} but float32 scales are needed")
+    if expert_map is not None and (
+        expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer)
+    ):
+        raise TypeError(f"{expert_map.shape=} {expert_map.dtype=} but int[E_global] is needed")
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "alignment", "config", "interpret"))
+def permute(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    num_experts: int,
+    x_scales: jax.Array | None = None,
+    expert_map: jax.Array | None = None,
+    alignment: int = layouts.DEFAULT_ALIGNMENT,
+    config: PermuteConfig | None = None,
+    interpret: bool = False,
+) -> layouts.ContiguousLayout:
+    """Copies each token once per chosen local expert into expert-contiguous rows.
+
+    Bit-identical to `moe_jax.layouts.permute_reference`.
+
+    Args:
+      x: [T, H] tokens (bf16, float16, float32 or float8_e4m3fn).
+      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` send that copy
+        nowhere and never address memory.
+      num_experts: E, the number of local experts.
+      x_scales: optional float32[T, G] scales of FP8 tokens (G = H // 128), permuted with the rows.
+      expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
+      alignment: segment length multiple (128 for DeepGEMM).
+      config: block sizes of the copy kernel; None picks `heuristic_config(M, H, itemsize)`.
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+
+    Returns:
+      `ContiguousLayout` with M = `layouts.contiguous_num_rows(T, k, E, alignment)` rows; padding
+      rows are zero and carry expert id -1.
+
+    Example:
+      >>> lay = permute(jnp.arange(4.0).reshape(2, 2), jnp.array([[1, 0], [1, 1]]),
+      ...               num_experts=2, alignment=4, interpret=True)
+      >>> lay.expert_ids.tolist(), lay.inverse.tolist(), lay.rows[4].tolist()
+      ([0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], [[4, 0], [5, 6]], [0.0, 1.0])
+    """
+    _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment)
+    num_tokens, topk = topk_ids.shape
+    num_rows = layouts.contiguous_num_rows(num_tokens, topk, num_experts, alignment)
+    if num_tokens * topk == 0:  # nothing to route: the layout has no rows
+        no_experts = jnp.zeros((num_experts,), jnp.int32)
+        return layouts.ContiguousLayout(
+            rows=jnp.zeros((0, x.shape[1]), x.dtype),
+            row_scales=None if x_scales is None else jnp.zeros((0, x_scales.shape[1]), jnp.float32),
+            expert_ids=jnp.zeros((0,), jnp.int32),
+            inverse=jnp.full((num_tokens, topk), -1, jnp.int32),
+            num_tokens_per_expert=no_experts,
+            expert_ends=no_experts,
+        )
+    local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    inverse, counts, ends, source, expert_ids = routing_metadata(
+        local, num_experts=num_experts, alignment=alignment, num_rows=num_rows
+    )
+    if config is None:
+        config = heuristic_config(num_rows, x.shape[1], x.dtype.itemsize)
+    rows = _gather_rows(x, source, config=config, interpret=interpret)
+    row_scales = None
+    if x_scales is not None:
+        row_scales = _gather_rows(x_scales, source, config=config, interpret=interpret)
+    return layouts.ContiguousLayout(
+        rows=rows,
+        row_scales=row_scales,
+        expert_ids=expert_ids,
+        inverse=inverse,
+        num_tokens_per_expert=counts,
+        expert_ends=ends,
+    )

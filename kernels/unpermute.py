@@ -1,0 +1,189 @@
+"""Pallas GPU unpermute: weight-and-reduce from expert rows back to tokens, in gather form.
+
+out[t] = cast(sum over slots j = 0..k-1 with inverse[t, j] >= 0 of fp32(y[inverse[t, j]]) * w[t, j])
+
+One program owns a [block_t, block_h] tile of the output: it reads its tokens' k row indices
+through `inverse`, gathers those rows' columns, and accumulates in float32 in slot order. Each
+output element is written exactly once, so the kernel needs no atomics and no zero-fill, any
+hidden size works (the column tail past H is masked), and interpret mode runs the same program.
+
+Worked example, k=2, inverse = [[4, 0], [-1, 6]], w = [[0.5, 2.0], [1.0, -1.0]]:
+
+    out[0] = 0.5 * y[4] + 2.0 * y[0]        out[1] = -1.0 * y[6]   (slot 0 routed nowhere)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from moe_jax.kernels import _triton
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnpermuteConfig:
+    """Tunables of the gather-reduce kernel.
+
+    Attributes:
+      block_t: tokens per program (power of two).
+      block_h: hidden columns per program (power of two); a tail past H is masked.
+      num_warps: Triton warps per program.
+      num_stages: Triton pipeline stages (the slot loop is unrolled; 1 is enough).
+    """
+
+    block_t: int = 8
+    block_h: int = 1024
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_t", "block_h", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"UnpermuteConfig.{name}={value} but a power of two is needed")
+        if self.num_stages < 1:
+            raise ValueError(f"UnpermuteConfig.num_stages={self.num_stages} but >= 1 is needed")
+
+
+def heuristic_config(num_tokens: int, hidden: int) -> UnpermuteConfig:
+    """Block sizes for reducing `num_tokens` tokens of `hidden` columns.
+
+    A float32 accumulator of 8 x 1024 is 64 registers per thread at 4 warps; the k gathers of a
+    program are independent loads in flight.
+    """
+    block_h = _triton.hidden_block(hidden, cap=1024)
+    block_t = min(8, _triton.next_power_of_2(num_tokens))
+    return UnpermuteConfig(block_t=block_t, block_h=block_h, num_warps=4, num_stages=1)
+
+
+def _unpermute_kernel(
+    # inputs
+    inverse_ref,
+    weights_ref,
+    y_ref,
+    # outputs
+    out_ref,
+    *,
+    block_t: int,
+    block_h: int,
+    num_tokens: int,
+    topk: int,
+    num_rows: int,
+    hidden: int,
+):
+    """One [block_t, block_h] output tile; inverse_ref and weights_ref are flat [T*k]."""
+    tokens = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    cols = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
+    token_ok = tokens < num_tokens
+    col_ok = cols < hidden
+    pair0 = jnp.where(token_ok, tokens, 0) * topk
+    acc = jnp.zeros((block_t, block_h), jnp.float32)
+    for slot in range(topk):  # fixed slot order, as the reference
+        row = plt.load(inverse_ref.at[pair0 + slot], mask=token_ok, other=-1)
+        is_valid = row >= 0
+        taken = plt.load(
+            y_ref.at[jnp.clip(row, 0, num_rows - 1)[:, None], cols[None, :]],
+            mask=is_valid[:, None] & col_ok[None, :],
+            other=0,
+        ).astype(jnp.float32)
+        if weights_ref is None:
+            acc = acc + taken
+        else:
+            weight = plt.load(weights_ref.at[pair0 + slot], mask=is_valid, other=0.0)
+            acc = acc + taken * weight[:, None]
+    plt.store(
+        out_ref.at[tokens[:, None], cols[None, :]],
+        acc.astype(out_ref.dtype),
+        mask=token_ok[:, None] & col_ok[None, :],
+    )
+
+
+def _weightless_kernel(inverse_ref, y_ref, out_ref, **kwargs):
+    _unpermute_kernel(inverse_ref, None, y_ref, out_ref, **kwargs)
+
+
+def _check_inputs(y, inverse, topk_weights):
+    if y.ndim != 2 or not jnp.issubdtype(y.dtype, jnp.floating):
+        raise TypeError(f"{y.shape=} {y.dtype=} but y must be a float [M, H] array")
+    if inverse.ndim != 2 or inverse.dtype != jnp.int32:
+        raise TypeError(f"{inverse.shape=} {inverse.dtype=} but int32[T, k] is needed")
+    if topk_weights is not None:
+        if topk_weights.shape != inverse.shape:
+            raise ValueError(f"{topk_weights.shape=} but {inverse.shape=}: both are [T, k]")
+        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+            raise TypeError(f"{topk_weights.dtype=} but a float dtype is needed")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def unpermute(
+    y: jax.Array,
+    inverse: jax.Array,
+    topk_weights: jax.Array | None,
+    *,
+    out_dtype: jnp.dtype | None = None,
+    config: UnpermuteConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """out[t] = sum over valid slots j of w[t, j] * y[inverse[t, j]], in float32, slot order.
+
+    Matches `moe_jax.layouts.unpermute_reference` (float32 products and sums in slot order; on GPU
+    the compiler may fuse a product and a sum into one rounding).
+
+    Args:
+      y: [M, H] expert outputs in row layout (bf16, float16 or float32); any H.
+      inverse: int32[T, k] row of each (token, slot) in y, -1 for a slot routed nowhere.
+        Rows must lie in [-1, M); the kernel clamps them, so it never reads out of bounds.
+      topk_weights: float[T, k] weights, or None when they were already applied.
+      out_dtype: output dtype; defaults to y.dtype.
+      config: block sizes; None picks `heuristic_config(T, H)`.
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+
+    Returns:
+      [T, H] in `out_dtype`; a token without a valid slot gets zeros.
+
+    Example:
+      >>> y = jnp.arange(6.0).reshape(3, 2)
+      >>> unpermute(y, jnp.array([[2, 0], [-1, 1]], jnp.int32),
+      ...           jnp.array([[0.5, 2.0], [1.0, -1.0]]), interpret=True).tolist()
+      [[2.0, 4.5], [-2.0, -3.0]]
+    """
+    _check_inputs(y, inverse, topk_weights)
+    out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
+    num_tokens, topk = inverse.shape
+    num_rows, hidden = y.shape
+    if num_tokens == 0 or num_rows == 0 or hidden == 0 or topk == 0:
+        return jnp.zeros((num_tokens, hidden), out_dtype)
+    if config is None:
+        config = heuristic_config(num_tokens, hidden)
+    block_h = min(config.block_h, _triton.next_power_of_2(hidden))
+    grid = (pl.cdiv(num_tokens, config.block_t), pl.cdiv(hidden, block_h))
+    static = dict(
+        block_t=config.block_t,
+        block_h=block_h,
+        num_tokens=num_tokens,
+        topk=topk,
+        num_rows=num_rows,
+        hidden=hidden,
+    )
+    operands = [inverse.reshape(-1)]
+    if topk_weights is None:
+        kernel = functools.partial(_weightless_kernel, **static)
+    else:
+        kernel = functools.partial(_unpermute_kernel, **static)
+        operands.append(topk_weights.astype(jnp.float32).reshape(-1))
+    with _triton.quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=jax.ShapeDtypeStruct((num_tokens, hidden), out_dtype),
+            interpret=interpret,
+            compiler_params=_triton.compiler_params(
+                num_warps=config.num_warps, num_stages=config.num_stages
+            ),
+            name=f"unpermute_{config.block_t=}_{block_h=}_{config.num_warps=}",
+        )(*operands, y)

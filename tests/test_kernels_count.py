@@ -1,0 +1,77 @@
+"""Pallas token counting (`moe_jax.kernels.count_expert_num_tokens`) against a numpy loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import kernels, layouts
+
+IMPLS = [
+    pytest.param("reference"),
+    pytest.param("pallas_interpret"),
+    pytest.param("pallas", marks=pytest.mark.gpu),
+]
+# (name, T, k, E_local, E_global or None)
+CI_PROBLEMS = [
+    ("dups_and_out_of_range", 7, 3, 5, None),
+    ("one_token", 1, 1, 1, None),
+    ("no_tokens", 0, 4, 3, None),
+    ("many_experts_two_programs", 37, 8, 40, None),
+    ("expert_map_holes", 9, 4, 4, 10),
+    ("more_pairs_than_a_block", 65, 5, 6, None),
+]
+
+
+def count_oracle(ids, num_local, expert_map):
+    counts = np.zeros(num_local, np.int64)
+    for g in np.asarray(ids).reshape(-1):
+        if expert_map is not None:
+            g = expert_map[g] if 0 <= g < len(expert_map) else -1
+        if 0 <= g < num_local:
+            counts[g] += 1
+    return counts
+
+
+def _run(impl, ids, num_local, expert_map):
+    if impl == "reference":
+        with jax.numpy_rank_promotion("allow"):  # the reference broadcasts [P, 1] with [E]
+            return layouts.count_expert_num_tokens(ids, num_local, expert_map)
+    return kernels.count_expert_num_tokens(
+        ids, num_local, expert_map, interpret=impl == "pallas_interpret"
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("problem", CI_PROBLEMS, ids=lambda p: p[0])
+def test_count_matches_oracle(impl, problem):
+    _, num_tokens, topk, num_local, num_global = problem
+    rng = np.random.default_rng()
+    expert_map = None
+    if num_global is None:
+        ids = rng.integers(-3, num_local + 3, (num_tokens, topk))
+    else:
+        ids = rng.integers(-2, num_global + 2, (num_tokens, topk))
+        local = rng.permutation(num_global)
+        expert_map = np.where(local < num_local, local, -1)
+    got = _run(
+        impl,
+        jnp.asarray(ids, jnp.int32),
+        num_local,
+        None if expert_map is None else jnp.asarray(expert_map, jnp.int32),
+    )
+    assert got.shape == (num_local,) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, count_oracle(ids, num_local, expert_map))
+
+
+def test_count_rejects_bad_inputs():
+    with pytest.raises(TypeError, match="topk_ids"):
+        kernels.count_expert_num_tokens(jnp.zeros((2, 2)), 2, interpret=True)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        kernels.count_expert_num_tokens(jnp.zeros((2, 2), jnp.int32), 0, interpret=True)
+    with pytest.raises(TypeError, match="expert_map"):
+        kernels.count_expert_num_tokens(
+            jnp.zeros((2, 2), jnp.int32), 2, jnp.zeros((2,)), interpret=True
+        )

@@ -1,0 +1,243 @@
+"""Pallas permute (`moe_jax.kernels.permute`) vs a numpy oracle and, bit for bit, the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import kernels, layouts
+from moe_jax import permute as permute_front
+from moe_jax.kernels.permute import routing_metadata
+from moe_jax.quant import per_token_group_quant_fp8
+
+IMPLS = [
+    pytest.param("reference"),
+    pytest.param("pallas_interpret"),
+    pytest.param("pallas", marks=pytest.mark.gpu),
+]
+FIELDS = ("rows", "row_scales", "expert_ids", "inverse", "num_tokens_per_expert", "expert_ends")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    num_tokens: int
+    topk: int
+    num_experts: int
+    hidden: int
+    alignment: int = 128
+    id_low: int = -2  # ids drawn from [id_low, num_experts + id_high)
+    id_high: int = 2
+    num_global: int | None = None  # with an expert_map of this many global experts
+    only_experts: tuple[int, ...] | None = None  # route only to these (the rest stay empty)
+    dtype: jnp.dtype = jnp.bfloat16
+
+    def __str__(self):
+        return self.name
+
+
+CI_PROBLEMS = [
+    Problem("dups_and_out_of_range", 7, 3, 5, 192, alignment=4),
+    Problem("one_token", 1, 1, 1, 64, id_low=0, id_high=0),
+    Problem("no_tokens", 0, 4, 3, 64),
+    Problem("odd_tokens_h320_f32", 13, 4, 6, 320, alignment=16, dtype=jnp.float32),
+    Problem("alignment_1_f32", 9, 2, 4, 128, alignment=1, dtype=jnp.float32),
+    Problem("expert_map_holes", 9, 4, 4, 128, alignment=8, num_global=10),
+    Problem("empty_experts", 6, 3, 16, 64, alignment=8, only_experts=(0, 3, 15)),
+    Problem("all_invalid", 4, 2, 3, 64, alignment=4, id_low=-3, id_high=-4),
+]
+
+
+def _routing(problem: Problem, rng: np.random.Generator):
+    shape = (problem.num_tokens, problem.topk)
+    expert_map = None
+    if problem.only_experts is not None:
+        ids = rng.choice(np.array(problem.only_experts), size=shape)
+    elif problem.num_global is not None:
+        ids = rng.integers(-2, problem.num_global + 2, size=shape)
+        local = rng.permutation(problem.num_global)
+        expert_map = np.where(local < problem.num_experts, local, -1)  # holes: -1
+    else:
+        ids = rng.integers(problem.id_low, problem.num_experts + problem.id_high, size=shape)
+    ids = jnp.asarray(ids, jnp.int32)
+    return ids, None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
+
+
+def permute_oracle(x, ids, *, num_experts, expert_map, alignment, x_scales=None):
+    """Dumbest per-expert loop in numpy float64: the contiguous layout from its definition."""
+    x = np.asarray(x.astype(jnp.float32), np.float64)
+    scales = None if x_scales is None else np.asarray(x_scales, np.float64)
+    ids = np.asarray(ids)
+    num_tokens, topk = ids.shape
+    local = np.full(ids.shape, -1)
+    for t in range(num_tokens):
+        for j in range(topk):
+            g = int(ids[t, j])
+            if expert_map is not None:
+                g = int(expert_map[g]) if 0 <= g < len(expert_map) else -1
+            local[t, j] = g if 0 <= g < num_experts else -1
+    rows, row_scales, expert_ids, ends = [], [], [], []
+    inverse = np.full(ids.shape, -1)
+    counts = np.zeros(num_experts, np.int64)
+    for e in range(num_experts):
+        for t in range(num_tokens):
+            for j in range(topk):
+                if local[t, j] == e:
+                    inverse[t, j] = len(rows)
+                    rows.append(x[t])
+                    row_scales.append(None if scales is None else scales[t])
+                    expert_ids.append(e)
+                    counts[e] += 1
+        while len(rows) % alignment:
+            rows.append(np.zeros(x.shape[1]))
+            row_scales.append(None if scales is None else np.zeros(scales.shape[1]))
+            expert_ids.append(-1)
+        ends.append(len(rows))
+    pairs = num_tokens * topk
+    num_rows = -(-(pairs + min(pairs, num_experts) * (alignment - 1)) // alignment) * alignment
+    while len(rows) < num_rows:  # worst-case static size; the tail is padding
+        rows.append(np.zeros(x.shape[1]))
+        row_scales.append(None if scales is None else np.zeros(scales.shape[1]))
+        expert_ids.append(-1)
+    out = dict(
+        rows=np.array(rows).reshape(num_rows, x.shape[1]),
+        expert_ids=np.array(expert_ids, np.int64),
+        inverse=inverse,
+        num_tokens_per_expert=counts,
+        expert_ends=np.array(ends, np.int64),
+    )
+    if scales is not None:
+        out["row_scales"] = np.array(row_scales).reshape(num_rows, scales.shape[1])
+    return out
+
+
+def _reference(x, ids, **kwargs):
+    # layouts.contiguous_destinations broadcasts [P, 1] against [E]; allow that rank promotion.
+    with jax.numpy_rank_promotion("allow"):
+        return _jitted_reference(x, ids, **kwargs)
+
+
+_jitted_reference = jax.jit(layouts.permute_reference, static_argnames=("num_experts", "alignment"))
+
+
+def _run(impl, x, ids, **kwargs):
+    if impl == "reference":
+        return _reference(x, ids, **kwargs)
+    return kernels.permute(x, ids, interpret=impl == "pallas_interpret", **kwargs)
+
+
+def _assert_bitwise(a: layouts.ContiguousLayout, b: layouts.ContiguousLayout):
+    for field in FIELDS:
+        u, v = getattr(a, field), getattr(b, field)
+        if u is None or v is None:
+            assert u is None and v is None, field
+            continue
+        u, v = np.asarray(u), np.asarray(v)
+        assert u.shape == v.shape and u.dtype == v.dtype, (field, u.shape, v.shape)
+        np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8), err_msg=field)
+
+
+def _assert_matches_oracle(lay, oracle):
+    # A copy is exact in every dtype, so the oracle comparison has zero tolerance.
+    np.testing.assert_array_equal(np.asarray(lay.rows.astype(jnp.float32)), oracle["rows"])
+    for field in ("expert_ids", "inverse", "num_tokens_per_expert", "expert_ends"):
+        np.testing.assert_array_equal(np.asarray(getattr(lay, field)), oracle[field], field)
+    assert lay.inverse.dtype == jnp.int32 and lay.expert_ids.dtype == jnp.int32
+    is_pad = np.asarray(lay.expert_ids) < 0
+    assert not np.any(np.asarray(lay.rows.astype(jnp.float32))[is_pad]), "padding rows not zero"
+    if "row_scales" in oracle:
+        np.testing.assert_array_equal(np.asarray(lay.row_scales), oracle["row_scales"])
+        assert not np.any(np.asarray(lay.row_scales)[is_pad]), "padding scales not zero"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
+def test_permute_matches_oracle(impl, problem):
+    rng = np.random.default_rng()
+    ids, expert_map = _routing(problem, rng)
+    x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)), problem.dtype)
+    kwargs = dict(
+        num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
+    )
+    lay = _run(impl, x, ids, **kwargs)
+    _assert_matches_oracle(lay, permute_oracle(x, ids, **kwargs))
+    _assert_bitwise(lay, _reference(x, ids, **kwargs))
+
+
+FP8_PROBLEMS = [
+    Problem("fp8_dups_out_of_range", 11, 4, 6, 256, alignment=8),
+    Problem("fp8_expert_map", 5, 3, 3, 384, alignment=4, num_global=7),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("problem", FP8_PROBLEMS, ids=str)
+def test_permute_fp8_rows_carry_scales(impl, problem):
+    rng = np.random.default_rng()
+    ids, expert_map = _routing(problem, rng)
+    x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)) * 3, jnp.float32)
+    q, scales = per_token_group_quant_fp8(x)
+    kwargs = dict(
+        num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
+    )
+    lay = _run(impl, q, ids, x_scales=scales, **kwargs)
+    assert lay.rows.dtype == jnp.float8_e4m3fn and lay.row_scales.dtype == jnp.float32
+    _assert_matches_oracle(lay, permute_oracle(q, ids, x_scales=scales, **kwargs))
+    _assert_bitwise(lay, _reference(q, ids, x_scales=scales, **kwargs))
+
+
+def test_permute_front_module_runs_the_kernel():
+    rng = np.random.default_rng()
+    ids = jnp.asarray(rng.integers(-1, 5, (6, 2)), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
+    got = permute_front.permute(x, ids, num_experts=4, alignment=4, impl="pallas_interpret")
+    _assert_bitwise(got, _reference(x, ids, num_experts=4, alignment=4))
+
+
+def test_routing_metadata_many_blocks_matches_reference():
+    # More pairs than one rank block (128): exercises the cross-block prefix. Metadata only.
+    rng = np.random.default_rng()
+    ids = jnp.asarray(rng.integers(-1, 9, (97, 5)), jnp.int32)
+    local = layouts.map_expert_ids(ids, num_experts=7)
+    num_rows = layouts.contiguous_num_rows(97, 5, 7, 16)
+    inverse, counts, ends, source, expert_ids = jax.jit(
+        routing_metadata, static_argnames=("num_experts", "alignment", "num_rows")
+    )(local, num_experts=7, alignment=16, num_rows=num_rows)
+    ref = _reference(jnp.zeros((97, 1)), ids, num_experts=7, alignment=16)
+    np.testing.assert_array_equal(inverse, ref.inverse)
+    np.testing.assert_array_equal(counts, ref.num_tokens_per_expert)
+    np.testing.assert_array_equal(ends, ref.expert_ends)
+    np.testing.assert_array_equal(expert_ids, ref.expert_ids)
+    rows = np.asarray(ref.inverse).reshape(-1)
+    expected_source = np.full(num_rows, -1)
+    expected_source[rows[rows >= 0]] = np.repeat(np.arange(97), 5)[rows >= 0]
+    np.testing.assert_array_equal(source, expected_source)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (dict(x=jnp.zeros((4, 8), jnp.int32)), TypeError, "x.dtype"),
+        (dict(topk_ids=jnp.zeros((3, 2), jnp.int32)), ValueError, "topk_ids.shape"),
+        (dict(topk_ids=jnp.zeros((4, 2), jnp.float32)), TypeError, "topk_ids.dtype"),
+        (dict(num_experts=0), ValueError, "num_experts"),
+        (dict(x_scales=jnp.zeros((3, 1), jnp.float32)), ValueError, "x_scales.shape"),
+        (dict(x_scales=jnp.zeros((4, 1), jnp.bfloat16)), TypeError, "x_scales.dtype"),
+        (dict(expert_map=jnp.zeros((2, 2), jnp.int32)), TypeError, "expert_map"),
+        (dict(config=kernels.PermuteConfig), ValueError, "block_m"),
+    ],
+)
+def test_permute_rejects_bad_inputs(args, error, match):
+    kwargs = dict(x=jnp.zeros((4, 8)), topk_ids=jnp.zeros((4, 2), jnp.int32), num_experts=2)
+    if args.get("config") is kernels.PermuteConfig:
+        with pytest.raises(error, match=match):
+            kernels.PermuteConfig(block_m=3)
+        return
+    kwargs.update(args)
+    x, ids = kwargs.pop("x"), kwargs.pop("topk_ids")
+    with pytest.raises(error, match=match):
+        kernels.permute(x, ids, interpret=True, **kwargs)

@@ -1,0 +1,143 @@
+"""Pallas unpermute (`moe_jax.kernels.unpermute`) against a numpy float64 oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import kernels, layouts
+from moe_jax import permute as permute_front
+
+IMPLS = [
+    pytest.param("reference"),
+    pytest.param("pallas_interpret"),
+    pytest.param("pallas", marks=pytest.mark.gpu),
+]
+# Against the float64 oracle: float32 sums of k products round at ~1e-7 relative per step;
+# a bf16 output rounds once at 2^-9 relative.
+TOL = {
+    jnp.float32: dict(rtol=1e-5, atol=1e-5),
+    jnp.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    num_tokens: int
+    topk: int
+    num_rows: int
+    hidden: int
+    has_weights: bool = True
+    invalid_fraction: float = 0.25  # share of slots with inverse -1
+
+    def __str__(self):
+        return self.name
+
+
+CI_PROBLEMS = [
+    Problem("h192_odd_tokens", 7, 3, 24, 192),
+    Problem("h320_no_weights", 5, 4, 30, 320, has_weights=False),
+    Problem("h2560", 3, 2, 8, 2560),
+    Problem("h100_masked_tail", 9, 2, 20, 100),
+    Problem("one_token", 1, 1, 3, 64),
+    Problem("no_tokens", 0, 4, 6, 64),
+    Problem("all_invalid", 4, 2, 5, 64, invalid_fraction=1.0),
+]
+
+
+def unpermute_oracle(y, inverse, weights):
+    """Per-token loop in float64: sum of w * y[row] over the valid slots."""
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    inverse = np.asarray(inverse)
+    out = np.zeros((inverse.shape[0], y.shape[1]))
+    for t in range(inverse.shape[0]):
+        for j in range(inverse.shape[1]):
+            if inverse[t, j] >= 0:
+                w = 1.0 if weights is None else float(weights[t, j])
+                out[t] += w * y[inverse[t, j]]
+    return out
+
+
+def _inputs(problem: Problem, dtype, rng: np.random.Generator):
+    y = jnp.asarray(rng.standard_normal((problem.num_rows, problem.hidden)), dtype)
+    # Rows drawn with repeats: two slots may read the same row.
+    inverse = rng.integers(0, problem.num_rows, (problem.num_tokens, problem.topk))
+    inverse[rng.random(inverse.shape) < problem.invalid_fraction] = -1
+    weights = None
+    if problem.has_weights:  # negative weights too
+        weights = jnp.asarray(rng.uniform(-2, 2, inverse.shape), jnp.float32)
+    return y, jnp.asarray(inverse, jnp.int32), weights
+
+
+def _run(impl, y, inverse, weights, **kwargs):
+    if impl == "reference":
+        return jax.jit(layouts.unpermute_reference, static_argnames="out_dtype")(
+            y, inverse, weights, **kwargs
+        )
+    return kernels.unpermute(y, inverse, weights, interpret=impl == "pallas_interpret", **kwargs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
+def test_unpermute_matches_oracle(impl, dtype, problem):
+    rng = np.random.default_rng()
+    y, inverse, weights = _inputs(problem, dtype, rng)
+    out = _run(impl, y, inverse, weights)
+    assert out.shape == (problem.num_tokens, problem.hidden) and out.dtype == dtype
+    expected = unpermute_oracle(y, inverse, weights)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, **TOL[dtype])
+    is_empty = np.all(np.asarray(inverse) < 0, axis=1)
+    assert not np.any(np.asarray(out.astype(jnp.float32))[is_empty]), "tokens with no slot not 0"
+    if problem.num_tokens:  # every row written: no NaN from uninitialized memory either
+        assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unpermute_bf16_rows_to_float32_output(impl):
+    rng = np.random.default_rng()
+    y, inverse, weights = _inputs(Problem("bf16_to_f32", 6, 8, 40, 192), jnp.bfloat16, rng)
+    out = _run(impl, y, inverse, weights, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, unpermute_oracle(y, inverse, weights), **TOL[jnp.float32])
+    with jax.numpy_rank_promotion("allow"):
+        reference = layouts.unpermute_reference(y, inverse, weights, out_dtype=jnp.float32)
+    np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_unpermute_undoes_permute_of_the_kernel():
+    # Round trip: permute then unpermute with unit weights sums each token's valid copies.
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, 4, (5, 3)), jnp.int32)
+    lay = permute_front.permute(x, ids, num_experts=3, alignment=4, impl="pallas_interpret")
+    out = permute_front.unpermute(lay.rows, lay.inverse, None, impl="pallas_interpret")
+    num_valid = np.sum((np.asarray(ids) >= 0) & (np.asarray(ids) < 3), axis=1)
+    np.testing.assert_allclose(out, np.asarray(x) * num_valid[:, None], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (dict(y=jnp.zeros((4, 8), jnp.int32)), TypeError, "y.dtype"),
+        (
+            dict(inverse=jnp.zeros((2, 2), jnp.int64 if jax.config.x64_enabled else jnp.int16)),
+            TypeError,
+            "inverse",
+        ),
+        (dict(topk_weights=jnp.zeros((2, 3))), ValueError, "topk_weights.shape"),
+        (dict(topk_weights=jnp.zeros((2, 2), jnp.int32)), TypeError, "topk_weights.dtype"),
+    ],
+)
+def test_unpermute_rejects_bad_inputs(args, error, match):
+    kwargs = dict(y=jnp.zeros((4, 8)), inverse=jnp.zeros((2, 2), jnp.int32), topk_weights=None)
+    kwargs.update(args)
+    with pytest.raises(error, match=match):
+        kernels.unpermute(kwargs["y"], kwargs["inverse"], kwargs["topk_weights"], interpret=True)
+    with pytest.raises(ValueError, match="block_t"):
+        kernels.UnpermuteConfig(block_t=6)
