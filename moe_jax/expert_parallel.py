@@ -173,7 +173,7 @@ def send_slots(
     ids = topk_ids.astype(jnp.int32)
     is_valid = (ids >= 0) & (ids < num_experts)
     dest = jnp.where(is_valid, ids // experts_per_rank, -1)
-    one_hot = (dest.reshape(-1)[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)).astype(
+    one_hot = (dest.reshape(-1)[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]).astype(
         jnp.int32
     )
     routed = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
@@ -448,6 +448,12 @@ def ep_fused_moe(
     """
     config = EPConfig(axis_name=axis_name, capacity_per_rank=capacity_per_rank, transport=transport)
     num_experts = w1.shape[0]
+    num_ranks = mesh.shape[axis_name]
+    if num_experts % num_ranks or hidden_states.shape[0] % num_ranks:
+        raise ValueError(
+            f"w1.shape={w1.shape} and hidden_states.shape={hidden_states.shape}: the experts (E) "
+            f"and the tokens must split evenly over the {num_ranks} ranks of axis {axis_name!r}"
+        )
 
     def local(x, w1, w2, weights, ids, w1_scale, w2_scale):
         out, stats = ep_moe(

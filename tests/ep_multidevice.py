@@ -1,0 +1,156 @@
+"""Expert-parallel cases run on 8 CPU devices, in a process of their own.
+
+XLA's host device count is fixed when JAX initialises, and the pytest process has already
+initialised JAX with one device; so `tests/test_expert_parallel.py` runs this file as a script
+(`python tests/ep_multidevice.py OUT.npz`) with `--xla_force_host_platform_device_count=8`. It
+runs `ep_fused_moe` on every case in `CASES` and saves the outputs and statistics; the test
+computes the expectations (single-device `fused_moe`, a float64 loop) in its own process.
+Importing this module has no side effects (pytest imports it for doctests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+
+NUM_RANKS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    tokens_per_rank: int = 4
+    num_experts: int = 16
+    topk: int = 3
+    hidden: int = 128
+    inter: int = 128
+    routing: str = "uniform"  # "uniform", "skewed" (most pairs to rank 0, duplicates), "invalid"
+    fp8: bool = False
+    capacity_per_rank: int | None = None
+    weight_on_input: bool = False
+    experts: str = "contiguous"  # or "masked_chunked"
+
+
+CASES = {
+    c.name: c
+    for c in [
+        Case("uniform"),
+        Case("skewed", routing="skewed"),
+        Case("overflow", routing="skewed", capacity_per_rank=2),
+        Case("fp8", routing="skewed", fp8=True),
+        Case("fp8_overflow", routing="skewed", fp8=True, capacity_per_rank=3),
+        Case("invalid_ids", routing="invalid", capacity_per_rank=1),
+        Case("weight_on_input", topk=1, weight_on_input=True, routing="skewed"),
+        Case("masked_chunked", routing="skewed", experts="masked_chunked"),
+    ]
+}
+
+
+def make_inputs(case: Case) -> dict[str, np.ndarray]:
+    """Global (all ranks) float32 inputs of a case, from a fixed seed."""
+    rng = np.random.default_rng(sorted(CASES).index(case.name))
+    num_tokens = NUM_RANKS * case.tokens_per_rank
+    e, k, h, i = case.num_experts, case.topk, case.hidden, case.inter
+    ids = rng.integers(0, e, size=(num_tokens, k))
+    if case.routing == "skewed":  # 3 of 4 pairs go to experts 0 and 1 (rank 0); duplicates
+        hot = rng.random((num_tokens, k)) < 0.75
+        ids = np.where(hot, rng.integers(0, 2, size=(num_tokens, k)), ids)
+    elif case.routing == "invalid":  # -1 and >= E: routed nowhere, never counted as dropped
+        ids = np.where(rng.random((num_tokens, k)) < 0.3, rng.choice([-1, e, e + 5]), ids)
+    return dict(
+        x=rng.standard_normal((num_tokens, h)).astype(np.float32),
+        w1=(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(np.float32),
+        w2=(rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32),
+        topk_ids=ids.astype(np.int32),
+        topk_weights=rng.standard_normal((num_tokens, k)).astype(np.float32),
+    )
+
+
+def layer_args(case: Case, inputs: dict[str, np.ndarray]):
+    """(x, w1, w2, weights, ids, kwargs) as both the EP run and fused_moe take them."""
+    import jax.numpy as jnp
+
+    from moe_jax import quant
+
+    x = jnp.asarray(inputs["x"])
+    w1, w2 = jnp.asarray(inputs["w1"]), jnp.asarray(inputs["w2"])
+    kwargs = dict(apply_router_weight_on_input=case.weight_on_input)
+    if case.fp8:
+        x = x.astype(jnp.bfloat16)
+        w1, kwargs["w1_scale"] = quant.per_block_quant_fp8(w1)
+        w2, kwargs["w2_scale"] = quant.per_block_quant_fp8(w2)
+    weights = jnp.asarray(inputs["topk_weights"])
+    if case.weight_on_input:
+        weights = jnp.abs(weights)
+    return x, w1, w2, weights, jnp.asarray(inputs["topk_ids"]), kwargs
+
+
+def run_case(case: Case, mesh):
+    import jax
+
+    from moe_jax import MaskedExperts
+    from moe_jax.expert_parallel import ep_fused_moe
+
+    x, w1, w2, weights, ids, kwargs = layer_args(case, make_inputs(case))
+    experts, chunk = None, None
+    if case.experts == "masked_chunked":
+        experts, chunk = MaskedExperts(gemm="xla"), 40
+    out, stats = ep_fused_moe(
+        mesh,
+        x,
+        w1,
+        w2,
+        weights,
+        ids,
+        axis_name="ep",
+        capacity_per_rank=case.capacity_per_rank,
+        transport="padded",
+        experts=experts,
+        chunk_size=chunk,
+        **kwargs,
+    )
+    jax.block_until_ready(out)
+    return out, stats
+
+
+def main(path: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.expert_parallel import ep_fused_moe
+
+    if jax.device_count() != NUM_RANKS:
+        raise SystemExit(
+            f"needs {NUM_RANKS} devices, got {jax.device_count()}: set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={NUM_RANKS} before JAX starts"
+        )
+    mesh = jax.make_mesh((NUM_RANKS,), ("ep",))
+    saved = {}
+    for name, case in CASES.items():
+        out, stats = run_case(case, mesh)
+        saved[f"{name}/out"] = np.asarray(out.astype(jnp.float32))
+        saved[f"{name}/num_dropped"] = np.asarray(stats.num_dropped)
+        saved[f"{name}/num_routed_per_rank"] = np.asarray(stats.num_routed_per_rank)
+    # "auto" resolves to the padded transport off the GPU and gives the same result.
+    case = CASES["skewed"]
+    x, w1, w2, weights, ids, kwargs = layer_args(case, make_inputs(case))
+    out, _ = ep_fused_moe(mesh, x, w1, w2, weights, ids, axis_name="ep", transport="auto")
+    saved["auto/out"] = np.asarray(out)
+    # The ragged transport lowers to XLA's ragged all-to-all (XLA:CPU cannot compile it).
+    lowered = jax.jit(lambda *a: ep_fused_moe(mesh, *a, axis_name="ep", transport="ragged")).lower(
+        x, w1, w2, weights, ids
+    )
+    saved["ragged/hlo_has_ragged"] = np.asarray("ragged_all_to_all" in lowered.as_text())
+    # E not a multiple of R: a ValueError that says so.
+    try:
+        ep_fused_moe(mesh, x, w1[:12], w2[:12], weights, ids % 12, axis_name="ep")
+        saved["uneven/error"] = np.asarray("")
+    except ValueError as e:
+        saved["uneven/error"] = np.asarray(str(e))
+    np.savez(path, **saved)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

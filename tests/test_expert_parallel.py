@@ -1,0 +1,213 @@
+"""Expert parallelism on JAX collectives (`moe_jax.expert_parallel`).
+
+The 8-rank runs happen in a subprocess (`ep_multidevice.py`, 8 CPU devices); the expectations are
+computed here: single-device `fused_moe` on the same inputs with the dropped pairs removed, a
+float64 per-pair loop, and the drop/route counts from a plain loop over senders.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ep_multidevice as epm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import fused_moe
+from moe_jax.expert_parallel import (
+    EPConfig,
+    ep_fused_moe,
+    expert_map_for_rank,
+    send_slots,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def ep_results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ep") / "results.npz")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={epm.NUM_RANKS}"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "ep_multidevice.py"), path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode:
+        pytest.fail(f"ep_multidevice.py failed:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    with np.load(path) as f:
+        return dict(f)
+
+
+def oracle_dispatch(ids, *, num_ranks, num_experts, capacity):
+    """(keep bool[T, k], num_dropped int[R], num_routed_per_rank int[R, R]) by a plain loop."""
+    num_tokens, topk = ids.shape
+    per_rank = num_tokens // num_ranks
+    keep = np.zeros(ids.shape, bool)
+    dropped = np.zeros(num_ranks, np.int64)
+    routed = np.zeros((num_ranks, num_ranks), np.int64)
+    for src in range(num_ranks):
+        used = [0] * num_ranks
+        for t in range(src * per_rank, (src + 1) * per_rank):
+            for j in range(topk):
+                e = int(ids[t, j])
+                if not 0 <= e < num_experts:
+                    continue
+                dest = e // (num_experts // num_ranks)
+                routed[src, dest] += 1
+                if used[dest] < capacity:
+                    used[dest] += 1
+                    keep[t, j] = True
+                else:
+                    dropped[src] += 1
+    return keep, dropped, routed
+
+
+def oracle_moe(x, w1, w2, weights, ids, keep):
+    """float64 sum over kept pairs of w * W2 (silu(gate) * up)."""
+    x, w1, w2 = (np.asarray(a, np.float64) for a in (x, w1, w2))
+    inter = w2.shape[2]
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            if keep[t, j]:
+                h = w1[ids[t, j]] @ x[t]
+                gate, up = h[:inter], h[inter:]
+                out[t] += weights[t, j] * (w2[ids[t, j]] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+def expected_with_fused_moe(case, inputs, keep):
+    x, w1, w2, weights, ids, kwargs = epm.layer_args(case, inputs)
+    ids = jnp.where(jnp.asarray(keep), ids, -1)  # the dropped pairs removed
+    return np.asarray(fused_moe(x, w1, w2, weights, ids, experts="xla", **kwargs), np.float32)
+
+
+@pytest.mark.parametrize("name", list(epm.CASES))
+def test_ep_matches_fused_moe(ep_results, name):
+    case = epm.CASES[name]
+    inputs = epm.make_inputs(case)
+    capacity = case.capacity_per_rank or case.tokens_per_rank * case.topk
+    keep, dropped, routed = oracle_dispatch(
+        inputs["topk_ids"],
+        num_ranks=epm.NUM_RANKS,
+        num_experts=case.num_experts,
+        capacity=capacity,
+    )
+    np.testing.assert_array_equal(ep_results[f"{name}/num_dropped"], dropped)
+    np.testing.assert_array_equal(ep_results[f"{name}/num_routed_per_rank"], routed)
+    if case.capacity_per_rank is not None:
+        assert dropped.sum() > 0, "the case must overflow to test dropping"
+    out = ep_results[f"{name}/out"]
+    expected = expected_with_fused_moe(case, inputs, keep)
+    tol = dict(rtol=2e-2, atol=2e-2) if case.fp8 else dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, expected, **tol)
+    if not case.fp8 and not case.weight_on_input:
+        oracle = oracle_moe(
+            inputs["x"],
+            inputs["w1"],
+            inputs["w2"],
+            inputs["topk_weights"],
+            inputs["topk_ids"],
+            keep,
+        )
+        np.testing.assert_allclose(out, oracle, rtol=1e-4, atol=1e-4)
+
+
+def test_ep_is_the_sum_of_vllm_expert_map_partial_sums(ep_results):
+    # vLLM's EP: rank r computes fused_moe with its expert_map (others' experts contribute 0);
+    # the token's output is the sum over ranks.
+    case = epm.CASES["skewed"]
+    x, w1, w2, weights, ids, _ = epm.layer_args(case, epm.make_inputs(case))
+    per_rank = case.num_experts // epm.NUM_RANKS
+    total = 0
+    for r in range(epm.NUM_RANKS):
+        own = slice(r * per_rank, (r + 1) * per_rank)
+        total = total + np.asarray(
+            fused_moe(
+                x,
+                w1[own],
+                w2[own],
+                weights,
+                ids,
+                experts="xla",
+                expert_map=expert_map_for_rank(case.num_experts, epm.NUM_RANKS, r),
+            )
+        )
+    np.testing.assert_allclose(ep_results["skewed/out"], total, rtol=1e-5, atol=1e-5)
+
+
+def test_transport_choice_and_errors(ep_results):
+    np.testing.assert_array_equal(ep_results["auto/out"], ep_results["skewed/out"])
+    assert bool(ep_results["ragged/hlo_has_ragged"])
+    assert "split evenly over the 8 ranks" in str(ep_results["uneven/error"])
+
+
+def test_send_slots_worked_example_and_oracle():
+    slot, local, routed = send_slots(
+        jnp.array([[3, 0], [2, 2]]), num_experts=4, num_ranks=2, capacity=2
+    )
+    assert slot.tolist() == [[2, 0], [3, -1]]
+    assert local.tolist() == [[1, 0], [0, 0]]
+    assert routed.tolist() == [1, 3]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-2, 18, size=(9, 4))
+    slot, _, routed = send_slots(jnp.asarray(ids), num_experts=16, num_ranks=4, capacity=3)
+    valid = (ids >= 0) & (ids < 16)
+    np.testing.assert_array_equal(np.asarray(routed), np.bincount(ids[valid] // 4, minlength=4))
+    seen = {}
+    for t in range(9):
+        for j in range(4):
+            e = ids[t, j]
+            if not 0 <= e < 16:
+                assert slot[t, j] == -1
+                continue
+            d = e // 4
+            pos = seen.get(d, 0)
+            seen[d] = pos + 1
+            assert slot[t, j] == (d * 3 + pos if pos < 3 else -1)
+
+
+def test_expert_map_for_rank_matches_vllm():
+    assert expert_map_for_rank(8, 4, 2).tolist() == [-1, -1, -1, -1, 0, 1, -1, -1]
+    # The last rank takes the remainder.
+    assert expert_map_for_rank(7, 3, 2).tolist() == [-1, -1, -1, -1, 0, 1, 2]
+    assert expert_map_for_rank(7, 3, 0).tolist() == [0, 1, -1, -1, -1, -1, -1]
+    with pytest.raises(ValueError, match="rank=3"):
+        expert_map_for_rank(8, 3, 3)
+
+
+def test_single_rank_mesh_overflow_is_reported():
+    # One rank owns everything: capacity 3 of 8 pairs keeps (token, slot) order's first 3.
+    mesh = jax.make_mesh((1,), ("ep",))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((2, 8, 8)) / 3, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((2, 8, 4)) / 2, jnp.float32)
+    ids = jnp.array([[0, 1], [1, 1], [0, 0], [1, 0]])
+    weights = jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)
+    out, stats = ep_fused_moe(
+        mesh, x, w1, w2, weights, ids, axis_name="ep", capacity_per_rank=3, transport="padded"
+    )
+    assert stats.num_dropped.tolist() == [5]
+    assert stats.num_routed_per_rank.tolist() == [[8]]
+    keep = np.array([[1, 1], [1, 0], [0, 0], [0, 0]], bool)
+    expected = fused_moe(x, w1, w2, weights, jnp.where(keep, ids, -1), experts="xla")
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown transport"):
+        EPConfig(axis_name="ep", transport="nccl")
+    with pytest.raises(ValueError, match="capacity_per_rank=0"):
+        EPConfig(axis_name="ep", capacity_per_rank=0)
