@@ -31,9 +31,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from moe_jax.interop import bridge
 
 from moe_jax import grouped_gemm, quant
+from moe_jax.interop import bridge
 
 BLOCK = 128  # DeepGEMM's scale granularity and contiguous-layout row alignment on sm_90/sm_100
 SUPPORTED_ARCHS = ("9.0", "10.0")

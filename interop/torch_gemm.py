@@ -19,9 +19,9 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
-from moe_jax.interop import bridge
 
 from moe_jax import grouped_gemm
+from moe_jax.interop import bridge
 
 _GPU_DTYPES = ("bfloat16", "float8_e4m3fn")
 _CPU_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")

@@ -422,6 +422,7 @@ def test_deep_gemm_bf16_contiguous_matches_oracle():
 def test_scale_view_needs_no_transpose_kernel():
     """DeepGEMM returns our view itself (same storage): it launches no layout kernel."""
     import deep_gemm as dg
+
     from moe_jax.interop import deep_gemm
 
     for shape in [(384, 4), (3, 256, 8), (130, 7)]:
