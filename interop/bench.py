@@ -151,6 +151,24 @@ def _grouped_mm_case(torch, shape, *, iters, reps):
     return ms_direct, ms_jit, is_equal
 
 
+def _bridge_overhead_us(*, iters: int, reps: int) -> tuple[float, float]:
+    """Per-call wall time of a jitted no-op vs a no-op bridge call on five small operands."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_jax.interop import bridge
+
+    args = tuple(jnp.ones((128, 128), jnp.float32) for _ in range(5))
+    plain = jax.jit(lambda *a: a[0] + 1)
+    noop = jax.jit(
+        bridge.torch_callback(lambda out, *a: None, jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    )
+    return (
+        1e3 * _median_ms_jax(plain, args, iters=iters, reps=reps),
+        1e3 * _median_ms_jax(noop, args, iters=iters, reps=reps),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
@@ -183,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         f"deep_gemm {getattr(dg_module, '__version__', '?')} "
         f"command_buffer={args.command_buffer} iters={args.iters} reps={args.reps}"
     )
+    plain_us, noop_us = _bridge_overhead_us(iters=args.iters * 5, reps=args.reps)
+    print(f"# per call: jitted x+1 {plain_us:.1f} us, jitted no-op bridge call {noop_us:.1f} us")
     rows = []
     for shape in SHAPES:
         ms_d, ms_j, ms_f, tflops, ok = _fp8_case(
