@@ -102,12 +102,27 @@ def _intermediate_dtype(prepared: PreparedTokens, call: ExpertsCall):
     return jnp.bfloat16 if call.quant_config is not None else prepared.x.dtype
 
 
-def _activate(h: jax.Array, call: ExpertsCall) -> tuple[jax.Array, jax.Array | None]:
-    """act(gate) * up, requantized for GEMM2 on the FP8 path."""
-    a = act_and_mul(h, call.activation)
+def _activate(
+    h: jax.Array, call: ExpertsCall, impl: str | None = "xla"
+) -> tuple[jax.Array, jax.Array | None]:
+    """act(gate) * up, requantized for GEMM2 on the FP8 path.
+
+    impl: as `moe_jax.permute`'s; "pallas"/"pallas_interpret" run the fused activation +
+    quantization kernel (`moe_jax.kernels.act_and_quant`) on the FP8 path.
+    """
     if call.quant_config is None:
-        return a, None
-    return call.quant_config.quantize_activations(a)
+        return act_and_mul(h, call.activation), None
+    impl = permute.resolve_impl(impl)
+    if impl == "xla":
+        return call.quant_config.quantize_activations(act_and_mul(h, call.activation))
+    from moe_jax import kernels
+
+    return kernels.act_and_quant(
+        h,
+        activation=call.activation,
+        group_size=call.quant_config.group_size,
+        interpret=impl == "pallas_interpret",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,12 +132,15 @@ class ContiguousExperts(Experts):
     Attributes:
       gemm: GEMM backend name ("xla", "torch", "deep_gemm"), a `GroupedGemm`, or None for the best
         that runs.
-      permute_impl: "xla", "pallas", "pallas_interpret", or None (Pallas on GPU, XLA elsewhere).
+      permute_impl: "xla", "pallas", "pallas_interpret", or None (Pallas on GPU, XLA elsewhere)
+        for the permute and the weighted gather.
+      act_quant_impl: the same choice for act(gate) * up + FP8 requantization (FP8 path only).
       alignment: rows per expert segment multiple (DeepGEMM needs 128).
     """
 
     gemm: str | grouped_gemm.GroupedGemm | None = "xla"
     permute_impl: str | None = None
+    act_quant_impl: str | None = None
     alignment: int = layouts.DEFAULT_ALIGNMENT
     layout_name = "contiguous"
 
@@ -158,7 +176,7 @@ class ContiguousExperts(Experts):
             alignment=self.alignment,
             out_dtype=mid_dtype,
         )
-        a, a_scales = _activate(h, call)
+        a, a_scales = _activate(h, call, self.act_quant_impl)
         y = gemm2.contiguous(
             a,
             weights.w2,
@@ -235,7 +253,7 @@ class MaskedExperts(Experts):
 
 # Names accepted by `fused_moe(experts=...)`; "auto" is resolved by `resolve_experts`.
 _NAMED_EXPERTS = {
-    "xla": lambda: ContiguousExperts(gemm="xla", permute_impl="xla"),
+    "xla": lambda: ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla"),
     "torch": lambda: ContiguousExperts(gemm="torch"),
     "deep_gemm": lambda: ContiguousExperts(gemm="deep_gemm"),
     "xla_masked": lambda: MaskedExperts(gemm="xla"),

@@ -24,7 +24,8 @@ def default_impl() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _resolve(impl: str | None) -> str:
+def resolve_impl(impl: str | None) -> str:
+    """`impl` checked, with None replaced by `default_impl()`."""
     impl = default_impl() if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"unknown permute impl {impl!r}; choose from {list(IMPLS)} or None")
@@ -56,7 +57,7 @@ def permute(
     Returns:
       `moe_jax.layouts.ContiguousLayout`.
     """
-    impl = _resolve(impl)
+    impl = resolve_impl(impl)
     if impl == "xla":
         return layouts.permute_reference(
             x,
@@ -99,7 +100,7 @@ def unpermute(
     Returns:
       [T, H] in `out_dtype`.
     """
-    impl = _resolve(impl)
+    impl = resolve_impl(impl)
     if impl == "xla":
         return layouts.unpermute_reference(y, inverse, topk_weights, out_dtype=out_dtype)
     from moe_jax import kernels
