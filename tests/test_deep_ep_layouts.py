@@ -1,0 +1,180 @@
+"""CPU tests of the DeepEP adapters' pure-JAX side (`moe_jax.interop.deep_ep_layouts`).
+
+DeepEP itself does not run here. The receive buffers below are built by plain NumPy loops from
+DeepEP's documented contracts (../shared/docs/deepgemm-deepep.md §4.3): HT delivers each token with
+a local expert once, with local ids or -1 and zeroed weights, padded to num_worst_tokens rows;
+LL delivers one row per (token, local expert) in [E_local, R * T_max, H] with stale rows after the
+count. Summing every rank's result as DeepEP's combine does must give single-device `fused_moe`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax import ContiguousExperts, ExpertsCall, ExpertWeights, fused_moe, quant
+from moe_jax.expert_parallel import expert_map_for_rank
+from moe_jax.interop import deep_ep_layouts as dl
+
+R, E, T_RANK, K, H, INTER = 4, 8, 3, 3, 128, 128
+E_LOCAL = E // R
+
+
+def make_problem(fp8: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    t = R * T_RANK
+    ids = rng.integers(0, E, size=(t, K))
+    ids[0] = [1, 1, 6]  # a duplicate and two ranks in one row
+    x = jnp.asarray(rng.standard_normal((t, H)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((E, 2 * INTER, H)) / np.sqrt(H), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((E, H, INTER)) / np.sqrt(INTER), jnp.float32)
+    scales = {}
+    if fp8:
+        x = x.astype(jnp.bfloat16)
+        w1, scales["w1_scale"] = quant.per_block_quant_fp8(w1)
+        w2, scales["w2_scale"] = quant.per_block_quant_fp8(w2)
+    weights = jnp.asarray(rng.standard_normal((t, K)), jnp.float32)
+    return x, w1, w2, weights, ids, scales
+
+
+def local_weights(w1, w2, scales, r):
+    own = slice(r * E_LOCAL, (r + 1) * E_LOCAL)
+    s1, s2 = scales.get("w1_scale"), scales.get("w2_scale")
+    return ExpertWeights(
+        w1=w1[own],
+        w2=w2[own],
+        w1_scale=None if s1 is None else s1[own],
+        w2_scale=None if s2 is None else s2[own],
+    )
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+def test_ht_receive_rewrite_and_combine_equal_fused_moe(fp8):
+    x, w1, w2, weights, ids, scales = make_problem(fp8)
+    quant_config = quant.Fp8BlockQuant() if fp8 else None
+    xq, xs = quant_config.quantize_activations(x) if fp8 else (x, None)  # before dispatch
+    num_worst = R * T_RANK
+    total = np.zeros((x.shape[0], H))
+    for r in range(R):
+        # DeepEP HT receive on rank r: tokens with >= 1 local expert, once, in source order.
+        tokens = [t for t in range(x.shape[0]) if any(e // E_LOCAL == r for e in ids[t])]
+        recv_idx = np.full((num_worst, K), -1)
+        recv_w = np.full((num_worst, K), np.nan, np.float32)  # padding rows: garbage weights
+        for row, t in enumerate(tokens):
+            is_local = ids[t] // E_LOCAL == r
+            recv_idx[row] = np.where(is_local, ids[t] - r * E_LOCAL, -1)
+            recv_w[row] = np.where(is_local, weights[t], 0.0)
+        pick = jnp.asarray(tokens + [0] * (num_worst - len(tokens)))
+        prepared = dl.ht_prepared_tokens(
+            xq[pick],
+            None if xs is None else xs[pick],
+            jnp.asarray(recv_idx, jnp.int32),
+            jnp.asarray(recv_w),
+            rank=r,
+            num_local_experts=E_LOCAL,
+            num_experts=E,
+        )
+        counts = dl.ht_num_tokens_per_expert(jnp.asarray(recv_idx), E_LOCAL)
+        expected_counts = [np.sum(ids[tokens] == r * E_LOCAL + e) for e in range(E_LOCAL)]
+        assert counts.tolist() == expected_counts
+        partial = ContiguousExperts(gemm="xla").apply(
+            prepared,
+            local_weights(w1, w2, scales, r),
+            expert_map=expert_map_for_rank(E, R, r),
+            call=ExpertsCall(quant_config=quant_config, out_dtype=jnp.float32),
+        )
+        for row, t in enumerate(tokens):  # HT combine: unweighted sum of partial outputs
+            total[t] += np.asarray(partial[row], np.float64)
+    expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
+    tol = 3e-2 if fp8 else 1e-5
+    np.testing.assert_allclose(total, np.asarray(expected, np.float64), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_ll_masked_layout_scales_and_combine_equal_fused_moe(fp8):
+    x, w1, w2, weights, ids, scales = make_problem(fp8, seed=1)
+    x = x.astype(jnp.bfloat16)
+    quant_config = quant.Fp8BlockQuant() if fp8 else None
+    max_tokens = T_RANK + 1
+    t_tot = R * max_tokens
+    total = np.zeros((x.shape[0], H))
+    for r in range(R):
+        # DeepEP LL receive on rank r: one row per (token, local expert), by source rank.
+        rows = np.full((E_LOCAL, t_tot, H), np.nan, np.float32)  # stale rows: NaN
+        row_of = {}
+        counts = np.zeros(E_LOCAL, np.int32)
+        for t in range(x.shape[0]):
+            for j in range(K):
+                if ids[t, j] // E_LOCAL == r:
+                    e = ids[t, j] - r * E_LOCAL
+                    row_of[t, j] = (e, counts[e])
+                    rows[e, counts[e]] = np.asarray(x[t], np.float32)
+                    counts[e] += 1
+        rows = jnp.asarray(rows, jnp.bfloat16)
+        row_scales = None
+        if fp8:
+            q, s = quant.per_token_group_quant_fp8(jnp.nan_to_num(rows.astype(jnp.float32)))
+            rows = jnp.where(jnp.isnan(rows), jnp.nan, q.astype(jnp.float32)).astype(q.dtype)
+            storage = dl.ll_scales_to_storage(jnp.where(jnp.isnan(rows[..., ::128]), jnp.nan, s))
+            assert storage.shape == (E_LOCAL, H // 128, t_tot)
+            row_scales = dl.ll_scales_from_storage(storage)
+        y = dl.masked_experts_forward(
+            rows,
+            row_scales,
+            jnp.asarray(counts),
+            local_weights(w1, w2, scales, r),
+            call=ExpertsCall(quant_config=quant_config, out_dtype=jnp.bfloat16),
+            expected_m=dl.ll_expected_m(x.shape[0], K, E, t_tot),
+        )
+        assert not np.isnan(np.asarray(y, np.float32)).any()
+        for (t, j), (e, row) in row_of.items():  # LL combine: weighted sum
+            total[t] += float(weights[t, j]) * np.asarray(y[e, row], np.float64)
+    expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
+    np.testing.assert_allclose(total, np.asarray(expected, np.float64), rtol=3e-2, atol=3e-2)
+
+
+def test_ht_id_rewrite_round_trips_through_expert_map():
+    local = jnp.array([[0, 1, -1], [-1, -1, 1]])
+    for r in range(R):
+        rewritten = dl.ht_global_topk_ids(local, rank=r, num_local_experts=E_LOCAL, num_experts=E)
+        back = expert_map_for_rank(E, R, r)[rewritten]
+        assert back.tolist() == local.tolist()
+
+
+def test_ll_scale_views_and_stale_rows():
+    storage = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)  # [E, G, T]
+    view = dl.ll_scales_from_storage(storage)
+    assert view.shape == (2, 5, 3) and float(view[1, 4, 2]) == float(storage[1, 2, 4])
+    np.testing.assert_array_equal(dl.ll_scales_to_storage(view), storage)
+    cleared = dl.ll_clear_stale_rows(jnp.full((2, 4, 3), jnp.nan), jnp.array([1, 3]))
+    assert np.isnan(cleared[0, 0]).all() and (cleared[0, 1:] == 0).all()
+    assert np.isnan(cleared[1, :3]).all() and (cleared[1, 3] == 0).all()
+    assert dl.ll_expected_m(128, 8, 32, 256) == 32 and dl.ll_expected_m(1, 1, 64, 256) == 16
+
+
+def test_dispatch_ids_and_limits():
+    assert dl.dispatch_topk_ids(jnp.array([[3, -4, 8, 0]]), num_experts=8).tolist() == [
+        [3, -1, -1, 0]
+    ]
+    with pytest.raises(ValueError, match=r"\(2, 4, 8\) ranks"):
+        dl.check_ht(num_ranks=3, hidden=7168, hidden_itemsize=2)
+    dl.check_ht(num_ranks=8, hidden=7168, hidden_itemsize=2)
+    ok = dict(
+        num_ranks=8,
+        hidden=7168,
+        num_topk=8,
+        num_max_tokens_per_rank=128,
+        num_experts=256,
+        use_fp8=True,
+    )
+    dl.check_ll(**ok)
+    for bad, match in [
+        (dict(hidden=1000), "hidden sizes"),
+        (dict(num_topk=12), "1..11"),
+        (dict(num_max_tokens_per_rank=600), "queue depth"),
+        (dict(num_ranks=3, num_max_tokens_per_rank=3, num_experts=9), "multiple of 4"),
+        (dict(num_experts=100), "multiple of num_ranks"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            dl.check_ll(**{**ok, **bad})
