@@ -143,8 +143,11 @@ class MoE(nnx.Module):
         chunk_size: int | None = None,
         rngs: nnx.Rngs,
     ):
-        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
-                            ("num_experts", num_experts)):
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+            ("num_experts", num_experts),
+        ):
             if value <= 0:
                 raise ValueError(f"{name}={value} must be positive")
         if not 1 <= topk <= num_experts:
@@ -158,16 +161,22 @@ class MoE(nnx.Module):
         if router.is_grouped:
             groups = router.num_expert_group
             if num_experts % groups:
-                raise ValueError(f"num_experts={num_experts} must be a multiple of "
-                                 f"router.num_expert_group={groups}")
+                raise ValueError(
+                    f"num_experts={num_experts} must be a multiple of "
+                    f"router.num_expert_group={groups}"
+                )
             if not 1 <= router.topk_group <= groups:
                 raise ValueError(f"router.topk_group={router.topk_group} must be in [1, {groups}]")
             if topk > router.topk_group * (num_experts // groups):
-                raise ValueError(f"topk={topk} exceeds router.topk_group={router.topk_group} "
-                                 f"groups x {num_experts // groups} experts per group")
+                raise ValueError(
+                    f"topk={topk} exceeds router.topk_group={router.topk_group} "
+                    f"groups x {num_experts // groups} experts per group"
+                )
             if router.use_correction_bias and num_experts // groups < 2:
-                raise ValueError("a correction bias scores groups by their top-2 experts: "
-                                 f"num_experts / num_expert_group = {num_experts // groups} < 2")
+                raise ValueError(
+                    "a correction bias scores groups by their top-2 experts: "
+                    f"num_experts / num_expert_group = {num_experts // groups} < 2"
+                )
         check_activation(activation)
 
         self.hidden_size = hidden_size
@@ -195,8 +204,9 @@ class MoE(nnx.Module):
         self.w2_scale = nnx.data(None)
         if num_shared_experts:
             shared = num_shared_experts * i
-            self.shared_w1 = nnx.Param(kernel_init(rngs.params(), (1, 2 * shared, h),
-                                                   param_dtype)[0])
+            self.shared_w1 = nnx.Param(
+                kernel_init(rngs.params(), (1, 2 * shared, h), param_dtype)[0]
+            )
             self.shared_w2 = nnx.Param(kernel_init(rngs.params(), (1, h, shared), param_dtype)[0])
         else:
             self.shared_w1 = nnx.data(None)
@@ -224,15 +234,18 @@ class MoE(nnx.Module):
         """
         quant_config = quant.Fp8BlockQuant() if quant_config is None else quant_config
         if not isinstance(quant_config, quant.Fp8BlockQuant):
-            raise TypeError(f"quant_config is a {type(quant_config).__name__}; "
-                            "pass a moe_jax.quant.Fp8BlockQuant")
+            raise TypeError(
+                f"quant_config is a {type(quant_config).__name__}; "
+                "pass a moe_jax.quant.Fp8BlockQuant"
+            )
         if self.is_fp8:
             raise ValueError("the layer is already FP8; quantize() takes a float layer")
         block = quant_config.block_shape[0]
         widths = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size}
         if self.num_shared_experts:
             widths["num_shared_experts * intermediate_size"] = (
-                self.num_shared_experts * self.intermediate_size)
+                self.num_shared_experts * self.intermediate_size
+            )
         for name, width in widths.items():
             if width % block:
                 raise ValueError(f"{name}={width}: FP8 block weights need multiples of {block}")
@@ -258,12 +271,19 @@ class MoE(nnx.Module):
         r = self.router
         if r.is_grouped:
             bias = self.e_score_correction_bias
-            return grouped_topk(
-                logits, self.topk, r.renormalize, r.num_expert_group, r.topk_group,
-                scoring_func=r.scoring_func,
-                e_score_correction_bias=None if bias is None else bias[...],
-                routed_scaling_factor=r.routed_scaling_factor,
-            )
+            # grouped_topk adds the [E] bias to [T, E] scores by rank promotion, which
+            # JAX_NUMPY_RANK_PROMOTION=raise rejects; remove once it broadcasts bias[None, :].
+            with jax.numpy_rank_promotion("allow"):
+                return grouped_topk(
+                    logits,
+                    self.topk,
+                    r.renormalize,
+                    r.num_expert_group,
+                    r.topk_group,
+                    scoring_func=r.scoring_func,
+                    e_score_correction_bias=None if bias is None else bias[...],
+                    routed_scaling_factor=r.routed_scaling_factor,
+                )
         weights, ids = fused_topk(logits, self.topk, r.renormalize, r.scoring_func)
         if r.routed_scaling_factor != 1.0:
             weights = weights * r.routed_scaling_factor
@@ -279,6 +299,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the layer to x [..., H]; returns [..., H] in the compute dtype."""
+        x = jnp.asarray(x)
         if x.ndim < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x.shape={x.shape} but [..., H={self.hidden_size}] is needed")
         lead = x.shape[:-1]
@@ -292,8 +313,17 @@ class MoE(nnx.Module):
             scales = dict(w1_scale=self.w1_scale[...], w2_scale=self.w2_scale[...])
         else:
             w1, w2 = w1.astype(dtype), w2.astype(dtype)
-        out = fused_moe(h, w1, w2, topk_weights, topk_ids, activation=self.activation,
-                        chunk_size=self.chunk_size, experts=self.experts, **scales)
+        out = fused_moe(
+            h,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation=self.activation,
+            chunk_size=self.chunk_size,
+            experts=self.experts,
+            **scales,
+        )
         if self.num_shared_experts:
             out = out + self._shared(h)
         return out.reshape(*lead, self.hidden_size)
@@ -303,10 +333,15 @@ class MoE(nnx.Module):
             # One expert that every token picks with weight 1: the routed FP8 path and backend.
             num_tokens = h.shape[0]
             return fused_moe(
-                h, self.shared_w1[...][None], self.shared_w2[...][None],
-                jnp.ones((num_tokens, 1), jnp.float32), jnp.zeros((num_tokens, 1), jnp.int32),
-                activation=self.activation, w1_scale=self.shared_w1_scale[...][None],
-                w2_scale=self.shared_w2_scale[...][None], chunk_size=self.chunk_size,
+                h,
+                self.shared_w1[...][None],
+                self.shared_w2[...][None],
+                jnp.ones((num_tokens, 1), jnp.float32),
+                jnp.zeros((num_tokens, 1), jnp.int32),
+                activation=self.activation,
+                w1_scale=self.shared_w1_scale[...][None],
+                w2_scale=self.shared_w2_scale[...][None],
+                chunk_size=self.chunk_size,
                 experts=self.experts,
             )
         w1 = self.shared_w1[...].astype(h.dtype)
