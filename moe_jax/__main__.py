@@ -1,4 +1,4 @@
-"""Command line: `python -m moe_jax demo` (and `moe-jax demo` once installed)."""
+"""Command line: `python -m moe_jax demo | bench` (also `moe-jax ...` once installed)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,20 @@ def main(argv: list[str] | None = None) -> int:
         help="experts backend: auto, xla, torch, deep_gemm, ... (default: auto)",
     )
     demo.add_argument("--tokens", type=int, default=256, help="number of tokens T (default 256)")
+    bench = commands.add_parser(
+        "bench", help="time the whole layer against baselines (shapes A and B on a GPU)"
+    )
+    bench.add_argument("--shapes", nargs="+", help="A, B, small (default: A B on GPU, else small)")
+    bench.add_argument("--variants", nargs="+", help="subset of variants (default: all)")
+    bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
+    bench.add_argument("--json", help="also write the results to this JSON file")
+    bench.add_argument("--plot", help="also write a PNG bar chart of the times")
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        from moe_jax import bench as bench_module
+
+        return bench_module.main(args)
 
     if args.command == "demo":
         from moe_jax.demo import DemoShape, format_table, run_demo

@@ -255,6 +255,7 @@ class MaskedExperts(Experts):
 _NAMED_EXPERTS = {
     "xla": lambda: ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla"),
     "torch": lambda: ContiguousExperts(gemm="torch"),
+    "mosaic": lambda: ContiguousExperts(gemm="mosaic"),
     "deep_gemm": lambda: ContiguousExperts(gemm="deep_gemm"),
     "xla_masked": lambda: MaskedExperts(gemm="xla"),
     "deep_gemm_masked": lambda: MaskedExperts(gemm="deep_gemm"),

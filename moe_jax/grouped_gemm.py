@@ -107,9 +107,10 @@ class GroupedGemm(abc.ABC):
 _BACKEND_MODULES = {
     "deep_gemm": "moe_jax.interop.deep_gemm",
     "torch": "moe_jax.interop.torch_gemm",
+    "mosaic": "moe_jax.kernels.mosaic_gemm",
     "xla": "moe_jax.grouped_gemm",
 }
-PREFERENCE = ("deep_gemm", "torch", "xla")
+PREFERENCE = ("deep_gemm", "torch", "mosaic", "xla")
 _BACKENDS: dict[str, GroupedGemm] = {}
 
 
