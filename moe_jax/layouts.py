@@ -82,7 +82,7 @@ def count_expert_num_tokens(
       [2, 1]
     """
     local = map_expert_ids(topk_ids, num_experts=num_local_experts, expert_map=expert_map)
-    one_hot = local.reshape(-1)[:, None] == jnp.arange(num_local_experts, dtype=jnp.int32)
+    one_hot = local.reshape(-1)[:, None] == jnp.arange(num_local_experts, dtype=jnp.int32)[None]
     return jnp.sum(one_hot, axis=0, dtype=jnp.int32)
 
 
@@ -132,7 +132,7 @@ def contiguous_destinations(
     """
     flat = local_ids.reshape(-1)
     is_valid = flat >= 0
-    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)).astype(jnp.int32)
+    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None]).astype(jnp.int32)
     counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
     # Rank of each pair among earlier pairs of the same expert: (token, slot) order.
     rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)

@@ -1,0 +1,359 @@
+"""NumPy oracles for moe_jax tests: the dumbest loops, float64 unless a recipe says otherwise.
+
+Each oracle restates vLLM's semantics (`shared/docs/vllm-moe-semantics.md`) without calling moe_jax.
+Where vLLM rounds (bf16 GEMM outputs, FP8 quantization), the oracle rounds at the same points with
+`ml_dtypes`, so tests can hold the library to tight tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+FP8 = ml_dtypes.float8_e4m3fn
+BF16 = ml_dtypes.bfloat16
+FP8_MAX = np.float32(448.0)
+SCALE_EPS = np.float32(1e-10)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def round_to(a, dtype) -> np.ndarray:
+    """float64 values of `a` after rounding to `dtype`."""
+    return np.asarray(a).astype(dtype).astype(np.float64)
+
+
+# --- routing ---------------------------------------------------------------------------------
+
+
+def scores(logits, scoring_func: str) -> np.ndarray:
+    """float64 softmax over the last axis, or sigmoid, of the given logits."""
+    z = np.asarray(logits).astype(np.float64)
+    if scoring_func == "softmax":
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+    if scoring_func == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
+    raise ValueError(scoring_func)
+
+
+def fused_topk(logits, topk: int, *, renormalize: bool, scoring_func: str = "softmax"):
+    """(weights float64[T, k], ids int64[T, k]): descending, ties to the lower id."""
+    s = scores(np.asarray(logits).astype(np.float32), scoring_func)
+    num_tokens = s.shape[0]
+    weights = np.zeros((num_tokens, topk))
+    ids = np.zeros((num_tokens, topk), np.int64)
+    for t in range(num_tokens):
+        order = sorted(range(s.shape[1]), key=lambda e, t=t: (-s[t, e], e))
+        for j in range(topk):
+            ids[t, j] = order[j]
+            weights[t, j] = s[t, order[j]]
+        if renormalize:
+            weights[t] /= weights[t].sum()
+    return weights, ids
+
+
+def grouped_topk(
+    logits,
+    topk: int,
+    *,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str = "softmax",
+    bias=None,
+    routed_scaling_factor: float = 1.0,
+):
+    """DeepSeek grouped routing -> (weights float64[T, k], ids int64[T, k]) in selection order.
+
+    Scores are rounded to the logits' dtype (vLLM computes them in that dtype). With a bias the
+    group score is the sum of the group's two best biased scores and the weights are the unbiased
+    scores; without, the group score is the group max.
+    """
+    logits = np.asarray(logits)
+    s = round_to(scores(logits.astype(np.float32), scoring_func), logits.dtype)
+    num_tokens, num_experts = s.shape
+    per_group = num_experts // num_expert_group
+    choice = s if bias is None else s + np.asarray(bias).astype(np.float64)
+    weights = np.zeros((num_tokens, topk))
+    ids = np.zeros((num_tokens, topk), np.int64)
+    for t in range(num_tokens):
+        group_scores = []
+        for g in range(num_expert_group):
+            members = sorted(choice[t, g * per_group : (g + 1) * per_group], reverse=True)
+            group_scores.append(members[0] + members[1] if bias is not None else members[0])
+        groups = sorted(range(num_expert_group), key=lambda g: (-group_scores[g], g))
+        kept = groups[:topk_group]
+        candidates = [e for e in range(num_experts) if e // per_group in kept]
+        candidates.sort(key=lambda e, t=t: (-choice[t, e], e))
+        for j in range(topk):
+            ids[t, j] = candidates[j]
+            weights[t, j] = s[t, candidates[j]]
+        if renormalize:
+            weights[t] /= weights[t].sum()
+        weights[t] *= routed_scaling_factor
+    return weights, ids
+
+
+# --- FP8 quantization ------------------------------------------------------------------------
+
+
+def per_token_group_quant_fp8(x, group_size: int = 128):
+    """vLLM's per-token-group recipe in float32: s = max(amax, 1e-10)/448, q = e4m3(clip(x/s))."""
+    x = np.asarray(x).astype(np.float32)
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, hidden)
+    num_groups = hidden // group_size
+    q = np.zeros(flat.shape, FP8)
+    s = np.zeros((flat.shape[0], num_groups), np.float32)
+    for r in range(flat.shape[0]):
+        for g in range(num_groups):
+            part = flat[r, g * group_size : (g + 1) * group_size]
+            scale = np.maximum(np.abs(part).max(), SCALE_EPS) / FP8_MAX
+            q[r, g * group_size : (g + 1) * group_size] = np.clip(
+                part / scale, -FP8_MAX, FP8_MAX
+            ).astype(FP8)
+            s[r, g] = scale
+    return q.reshape(x.shape), s.reshape(*lead, num_groups)
+
+
+def dequant_per_token_group(q, s) -> np.ndarray:
+    """float64 q * s per group."""
+    q = np.asarray(q).astype(np.float64)
+    s = np.asarray(s).astype(np.float64)
+    group = q.shape[-1] // s.shape[-1]
+    return q * np.repeat(s, group, axis=-1)
+
+
+def per_block_quant_fp8(w, block_shape=(128, 128)):
+    """One float32 scale per [bn, bk] tile of the last two axes (ragged edge tiles included)."""
+    w = np.asarray(w).astype(np.float32)
+    bn, bk = block_shape
+    *lead, n, k = w.shape
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    flat = w.reshape(-1, n, k)
+    q = np.zeros(flat.shape, FP8)
+    s = np.zeros((flat.shape[0], gn, gk), np.float32)
+    for b in range(flat.shape[0]):
+        for i in range(gn):
+            for j in range(gk):
+                tile = flat[b, i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+                scale = np.maximum(np.abs(tile).max(), SCALE_EPS) / FP8_MAX
+                q[b, i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = np.clip(
+                    tile / scale, -FP8_MAX, FP8_MAX
+                ).astype(FP8)
+                s[b, i, j] = scale
+    return q.reshape(w.shape), s.reshape(*lead, gn, gk)
+
+
+def dequant_per_block(q, s, block_shape=(128, 128)) -> np.ndarray:
+    """float64 W[n, k] = q[n, k] * s[n // bn, k // bk]."""
+    q = np.asarray(q).astype(np.float64)
+    s = np.asarray(s).astype(np.float64)
+    bn, bk = block_shape
+    n, k = q.shape[-2:]
+    full = np.repeat(np.repeat(s, bn, axis=-2), bk, axis=-1)[..., :n, :k]
+    return q * full
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+
+def local_ids(topk_ids, num_experts: int, expert_map=None) -> np.ndarray:
+    """Local expert of each slot, -1 where it goes nowhere (ids outside the map's range too)."""
+    ids = np.asarray(topk_ids).astype(np.int64)
+    out = np.full(ids.shape, -1, np.int64)
+    for idx, gid in np.ndenumerate(ids):
+        if expert_map is not None:
+            if not 0 <= gid < len(expert_map):
+                continue
+            gid = int(expert_map[gid])
+        if 0 <= gid < num_experts:
+            out[idx] = gid
+    return out
+
+
+def count_expert_num_tokens(topk_ids, num_experts: int, expert_map=None) -> np.ndarray:
+    counts = np.zeros(num_experts, np.int64)
+    for e in local_ids(topk_ids, num_experts, expert_map).reshape(-1):
+        if e >= 0:
+            counts[e] += 1
+    return counts
+
+
+def contiguous_num_rows(num_tokens: int, topk: int, num_experts: int, alignment: int) -> int:
+    pairs = num_tokens * topk
+    return round_up(pairs + min(pairs, num_experts) * (alignment - 1), alignment)
+
+
+def permute(x, topk_ids, num_experts: int, *, alignment: int, expert_map=None, x_scales=None):
+    """Contiguous layout by loops: experts in order, (token, slot) order inside, padded segments.
+
+    Returns a dict with rows, row_scales, expert_ids, inverse, num_tokens_per_expert, expert_ends.
+    """
+    x = np.asarray(x)
+    num_tokens, topk = np.asarray(topk_ids).shape
+    local = local_ids(topk_ids, num_experts, expert_map)
+    num_rows = contiguous_num_rows(num_tokens, topk, num_experts, alignment)
+    rows = np.zeros((num_rows, *x.shape[1:]), x.dtype)
+    row_scales = None
+    if x_scales is not None:
+        x_scales = np.asarray(x_scales)
+        row_scales = np.zeros((num_rows, *x_scales.shape[1:]), x_scales.dtype)
+    expert_ids = np.full(num_rows, -1, np.int64)
+    inverse = np.full((num_tokens, topk), -1, np.int64)
+    counts = np.zeros(num_experts, np.int64)
+    ends = np.zeros(num_experts, np.int64)
+    row = 0
+    for e in range(num_experts):
+        start = row
+        for t in range(num_tokens):
+            for j in range(topk):
+                if local[t, j] == e:
+                    rows[row] = x[t]
+                    if row_scales is not None:
+                        row_scales[row] = x_scales[t]
+                    expert_ids[row] = e
+                    inverse[t, j] = row
+                    row += 1
+        counts[e] = row - start
+        row = start + round_up(counts[e], alignment)
+        ends[e] = row
+    return dict(
+        rows=rows,
+        row_scales=row_scales,
+        expert_ids=expert_ids,
+        inverse=inverse,
+        num_tokens_per_expert=counts,
+        expert_ends=ends,
+    )
+
+
+def masked_layout(x, topk_ids, num_experts: int, *, max_m: int, expert_map=None, x_scales=None):
+    """Masked layout by loops: rows [0, count) of each expert in (token, slot) order; overflow
+    pairs dropped and counted. Returns a dict like `moe_jax.layouts.MaskedLayout`'s fields."""
+    x = np.asarray(x)
+    num_tokens, topk = np.asarray(topk_ids).shape
+    local = local_ids(topk_ids, num_experts, expert_map)
+    rows = np.zeros((num_experts, max_m, *x.shape[1:]), x.dtype)
+    row_scales = None
+    if x_scales is not None:
+        x_scales = np.asarray(x_scales)
+        row_scales = np.zeros((num_experts, max_m, *x_scales.shape[1:]), x_scales.dtype)
+    filled = np.zeros(num_experts, np.int64)
+    inverse = np.full((num_tokens, topk), -1, np.int64)
+    dropped = 0
+    for t in range(num_tokens):
+        for j in range(topk):
+            e = local[t, j]
+            if e < 0:
+                continue
+            if filled[e] == max_m:
+                dropped += 1
+                continue
+            rows[e, filled[e]] = x[t]
+            if row_scales is not None:
+                row_scales[e, filled[e]] = x_scales[t]
+            inverse[t, j] = e * max_m + filled[e]
+            filled[e] += 1
+    return dict(
+        rows=rows,
+        row_scales=row_scales,
+        num_tokens_per_expert=filled,
+        inverse=inverse,
+        num_dropped=dropped,
+    )
+
+
+def unpermute(y, inverse, topk_weights) -> np.ndarray:
+    """float64 out[t] = sum over slots j with inverse >= 0 of y[inverse[t, j]] * w[t, j]."""
+    y = np.asarray(y).astype(np.float64)
+    inverse = np.asarray(inverse)
+    num_tokens, topk = inverse.shape
+    out = np.zeros((num_tokens, y.shape[-1]))
+    for t in range(num_tokens):
+        for j in range(topk):
+            if inverse[t, j] >= 0:
+                w = 1.0 if topk_weights is None else float(np.asarray(topk_weights)[t, j])
+                out[t] += y[inverse[t, j]] * w
+    return out
+
+
+# --- the MoE layer ---------------------------------------------------------------------------
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _gelu(v):
+    return 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0)))
+
+
+ACTIVATIONS = {"silu": _silu, "gelu": _gelu}
+
+
+def fused_moe(
+    x,
+    w1,
+    w2,
+    topk_weights,
+    topk_ids,
+    *,
+    activation: str = "silu",
+    expert_map=None,
+    w1_scale=None,
+    w2_scale=None,
+    apply_router_weight_on_input: bool = False,
+) -> np.ndarray:
+    """float64[T, H]: a per-token, per-slot loop over the expert MLP with vLLM's rounding points.
+
+    - float weights: GEMMs in float64, outputs rounded to the activation dtype; act in float64
+      rounded to that dtype, times up, rounded again (vLLM's `silu_and_mul`).
+    - float8_e4m3fn weights (block scales): x is quantized per token per 128 columns with vLLM's
+      recipe, GEMM1 on dequantized operands rounded to bf16, act*up in bf16, requantized, GEMM2
+      rounded to bf16 (the canonical contiguous pipeline).
+    The weighted sum over slots is float64; the caller rounds to the output dtype if it wants.
+    """
+    x = np.asarray(x)
+    act_dtype = x.dtype
+    is_fp8 = np.asarray(w1).dtype == FP8
+    if is_fp8:
+        w1f = dequant_per_block(w1, w1_scale)
+        w2f = dequant_per_block(w2, w2_scale)
+        mid = BF16
+    else:
+        w1f = np.asarray(w1).astype(np.float64)
+        w2f = np.asarray(w2).astype(np.float64)
+        mid = np.promote_types(act_dtype, np.asarray(w1).dtype)
+        mid = act_dtype if mid == np.float64 else mid
+    weights = np.asarray(topk_weights).astype(np.float64)
+    num_tokens, topk = np.asarray(topk_ids).shape
+    num_experts, two_i, hidden = w1f.shape
+    inter = two_i // 2
+    local = local_ids(topk_ids, num_experts, expert_map)
+    out = np.zeros((num_tokens, hidden))
+    for t in range(num_tokens):
+        for j in range(topk):
+            e = local[t, j]
+            if e < 0:
+                continue
+            xt = x[t].astype(np.float64)
+            w = weights[t, j]
+            if apply_router_weight_on_input:
+                xt, w = round_to(xt * w, act_dtype), 1.0
+            if is_fp8:
+                q, s = per_token_group_quant_fp8(xt[None].astype(np.float32))
+                xt = dequant_per_token_group(q, s)[0]
+            h = round_to(w1f[e] @ xt, mid)
+            a = round_to(round_to(ACTIVATIONS[activation](h[:inter]), mid) * h[inter:], mid)
+            if is_fp8:
+                q, s = per_token_group_quant_fp8(a[None].astype(np.float32))
+                a = dequant_per_token_group(q, s)[0]
+            y = round_to(w2f[e] @ a, mid)
+            out[t] += w * y
+    return out

@@ -1,0 +1,457 @@
+"""`moe_jax.fused_moe` (and `ModularMoE` under it) against the float64 loop in `oracles.fused_moe`.
+
+The oracle rounds where vLLM rounds (bf16 GEMM outputs, act*up in the activation dtype, FP8 block
+quantization of both GEMM inputs), so each dtype is held to a tolerance close to its own rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracles
+import pytest
+
+from moe_jax import EXPERTS_NAMES, ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe
+
+
+def _pallas_permute_works() -> bool:
+    """True if `moe_jax.kernels.permute` imports and runs in interpret mode on a tiny problem."""
+    try:
+        from moe_jax import kernels
+
+        lay = kernels.permute(
+            jnp.ones((2, 128), jnp.float32),
+            jnp.array([[0, 1], [1, 1]], jnp.int32),
+            num_experts=2,
+            alignment=4,
+            interpret=True,
+        )
+        return lay.inverse.tolist() == [[0, 4], [5, 6]]
+    except Exception:  # noqa: BLE001 - any failure means "not ready"
+        return False
+
+
+EXPERTS_BY_ID = {"xla": "xla", "xla_masked": "xla_masked"}
+if _pallas_permute_works():
+    EXPERTS_BY_ID["pallas_interpret"] = ContiguousExperts(
+        gemm="xla", permute_impl="pallas_interpret"
+    )
+EXPERTS = [pytest.param(e, id=name) for name, e in EXPERTS_BY_ID.items()]
+
+# Output tolerances against the oracle rounded to the output dtype (outputs are O(1)).
+TOL = {
+    "float32": dict(rtol=1e-5, atol=1e-5),
+    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),  # ~2 bf16 ulps: one intermediate rounding flip
+    "fp8": dict(rtol=1.6e-2, atol=1.6e-2),  # same; an unquantized reference would need ~6e-2
+}
+# FP8 only: float32 vs float64 GEMM1 accumulation can flip one bf16 intermediate by an ulp, and
+# the requantization then moves one FP8 code of one (token, slot) by 6%: that token's whole row
+# shifts by up to ~5e-2. One such row per call is allowed, within vLLM's own FP8 tolerance.
+FP8_FLIP_ROWS = 1
+FP8_LOOSE_TOL = dict(rtol=6e-2, atol=6e-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    num_tokens: int
+    hidden: int
+    inter: int
+    num_experts: int
+    topk: int
+
+    def __str__(self):
+        return self.name
+
+
+FLOAT_PROBLEMS = [
+    Problem("T1_H32_I16_E4_k2", 1, 32, 16, 4, 2),
+    Problem("T7_H64_I32_E8_k3", 7, 64, 32, 8, 3),
+    Problem("T13_H48_I24_E5_k4", 13, 48, 24, 5, 4),
+]
+FP8_PROBLEMS = [
+    Problem("T5_H128_I128_E4_k2", 5, 128, 128, 4, 2),
+    Problem("T9_H256_I128_E3_k3", 9, 256, 128, 3, 3),
+]
+# Shapes the special-case tests share, so their jitted programs compile once.
+SMALL = Problem("T7_H32_I16_E4_k3", 7, 32, 16, 4, 3)
+SMALL_K1 = dataclasses.replace(SMALL, name="T7_H32_I16_E4_k1", topk=1)
+CASES = [
+    *(pytest.param("float32", p, id=f"float32-{p}") for p in FLOAT_PROBLEMS),
+    *(pytest.param("bfloat16", p, id=f"bfloat16-{p}") for p in FLOAT_PROBLEMS[1:]),
+    *(pytest.param("fp8", p, id=f"fp8-{p}") for p in FP8_PROBLEMS),
+]
+EAGER_CASES = [
+    pytest.param("float32", FLOAT_PROBLEMS[2], id=f"float32-{FLOAT_PROBLEMS[2]}"),
+    pytest.param("bfloat16", FLOAT_PROBLEMS[0], id=f"bfloat16-{FLOAT_PROBLEMS[0]}"),
+    pytest.param("fp8", FP8_PROBLEMS[0], id=f"fp8-{FP8_PROBLEMS[0]}"),
+]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
+    w1_scale: np.ndarray | None
+    w2_scale: np.ndarray | None
+    topk_weights: np.ndarray
+    topk_ids: np.ndarray
+
+
+def make_inputs(problem: Problem, dtype: str, rng: np.random.Generator, *, id_low=0, id_high=None):
+    """Random tokens and weights (outputs O(1)); ids drawn with duplicates from [id_low, id_high);
+    weights normal (negative ones included)."""
+    t, h, i, e, k = (
+        problem.num_tokens,
+        problem.hidden,
+        problem.inter,
+        problem.num_experts,
+        problem.topk,
+    )
+    id_high = e if id_high is None else id_high
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    w1 = (rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(np.float32)
+    w2 = (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32)
+    w1_scale = w2_scale = None
+    if dtype == "fp8":
+        x = x.astype(oracles.BF16)
+        w1, w1_scale = oracles.per_block_quant_fp8(w1)
+        w2, w2_scale = oracles.per_block_quant_fp8(w2)
+    elif dtype == "bfloat16":
+        x, w1, w2 = (a.astype(oracles.BF16) for a in (x, w1, w2))
+    ids = rng.integers(id_low, id_high, (t, k)).astype(np.int32)
+    weights = rng.standard_normal((t, k)).astype(np.float32)
+    return Inputs(x, w1, w2, w1_scale, w2_scale, weights, ids)
+
+
+@functools.cache
+def _jitted(**kwargs):
+    """One jitted fused_moe per static configuration, so equal shapes compile once per session."""
+    return jax.jit(functools.partial(fused_moe, **kwargs))
+
+
+def run(inputs: Inputs, *, jit: bool, expert_map=None, **kwargs) -> np.ndarray:
+    """fused_moe on jnp copies of `inputs`, eagerly or under jax.jit (arrays as jit arguments)."""
+    fn = _jitted(**kwargs) if jit else functools.partial(fused_moe, **kwargs)
+    arrays = [inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids]
+    scales = dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale, expert_map=expert_map)
+    out = fn(
+        *map(jnp.asarray, arrays),
+        **{k: None if v is None else jnp.asarray(v) for k, v in scales.items()},
+    )
+    assert out.dtype == inputs.x.dtype
+    assert out.shape == inputs.x.shape
+    return np.asarray(out)
+
+
+def expected(inputs: Inputs, *, expert_map=None, **kwargs) -> np.ndarray:
+    ref = oracles.fused_moe(
+        inputs.x,
+        inputs.w1,
+        inputs.w2,
+        inputs.topk_weights,
+        inputs.topk_ids,
+        w1_scale=inputs.w1_scale,
+        w2_scale=inputs.w2_scale,
+        expert_map=expert_map,
+        **kwargs,
+    )
+    return oracles.round_to(ref, inputs.x.dtype)
+
+
+def assert_close(out, ref, dtype: str):
+    out = np.asarray(out).astype(np.float64)
+    if dtype != "fp8":
+        np.testing.assert_allclose(out, ref, **TOL[dtype])
+        return
+    tol = TOL["fp8"]
+    is_bad = np.abs(out - ref) > tol["atol"] + tol["rtol"] * np.abs(ref)
+    bad_rows = np.flatnonzero(is_bad.any(axis=-1))
+    assert len(bad_rows) <= FP8_FLIP_ROWS, f"rows {bad_rows} exceed {tol}"
+    np.testing.assert_allclose(out, ref, **FP8_LOOSE_TOL)
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("dtype,problem", CASES)
+def test_fused_moe_matches_oracle_jitted(dtype, problem, experts):
+    rng = np.random.default_rng(_seed("jit", dtype, str(problem), str(experts)))
+    inputs = make_inputs(problem, dtype, rng)
+    assert_close(run(inputs, jit=True, experts=experts), expected(inputs), dtype)
+
+
+@pytest.mark.parametrize("experts", ["xla", "xla_masked"])
+@pytest.mark.parametrize("dtype,problem", EAGER_CASES)
+def test_fused_moe_matches_oracle_eager(dtype, problem, experts):
+    rng = np.random.default_rng(_seed("eager", dtype, str(problem), experts))
+    inputs = make_inputs(problem, dtype, rng)
+    assert_close(run(inputs, jit=False, experts=experts), expected(inputs), dtype)
+
+
+@pytest.mark.parametrize("experts", ["xla", "xla_masked"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_no_tokens(experts, jit):
+    inputs = make_inputs(SMALL, "bfloat16", np.random.default_rng(0))
+    inputs = Inputs(
+        inputs.x[:0], inputs.w1, inputs.w2, None, None, inputs.topk_weights[:0], inputs.topk_ids[:0]
+    )
+    assert run(inputs, jit=jit, experts=experts, chunk_size=4).shape == (0, SMALL.hidden)
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_out_of_range_ids_contribute_nothing(dtype, experts):
+    """Ids < 0 and >= E are skipped (never index memory); a token with only such ids is zero."""
+    problem = FP8_PROBLEMS[0] if dtype == "fp8" else SMALL
+    rng = np.random.default_rng(_seed("oob", dtype, str(experts)))
+    inputs = make_inputs(problem, dtype, rng, id_low=-3, id_high=problem.num_experts + 3)
+    inputs.topk_ids[0] = [-1, problem.num_experts][: problem.topk] + [-7] * (problem.topk - 2)
+    out = run(inputs, jit=True, experts=experts)
+    ref = expected(inputs)
+    assert np.all(out[0].astype(np.float32) == 0)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize(
+    "experts,jit",
+    [
+        *(pytest.param(e, True, id=f"{name}-jit") for name, e in EXPERTS_BY_ID.items()),
+        pytest.param("xla", False, id="xla-eager"),
+        pytest.param("xla_masked", False, id="xla_masked-eager"),
+    ],
+)
+def test_expert_map_with_holes(experts, jit):
+    """10 global experts, 4 local ones scattered over the map; ids also below 0 and >= 10."""
+    expert_map = np.array([-1, 2, -1, -1, 0, 3, -1, 1, -1, -1], np.int32)
+    rng = np.random.default_rng(_seed("map", str(experts), jit))
+    inputs = make_inputs(SMALL, "float32", rng, id_low=-2, id_high=13)
+    inputs.topk_ids[0] = [4, 4, 5]  # duplicate local expert
+    inputs.topk_ids[1] = [0, 2, 12]  # nothing local
+    out = run(
+        inputs, jit=jit, experts=experts, expert_map=jnp.asarray(expert_map), global_num_experts=10
+    )
+    ref = expected(inputs, expert_map=expert_map)
+    assert np.all(out[1] == 0)
+    assert np.abs(ref).max() > 0.1  # some slots are local
+    assert_close(out, ref, "float32")
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
+def test_apply_router_weight_on_input(dtype, experts):
+    """k == 1: out = W2 act(W1 (w x)); differs from w * W2 act(W1 x) since act is nonlinear."""
+    problem = dataclasses.replace(FP8_PROBLEMS[0], topk=1) if dtype == "fp8" else SMALL_K1
+    rng = np.random.default_rng(_seed("on_input", dtype, str(experts)))
+    inputs = make_inputs(problem, dtype, rng)
+    inputs.topk_weights *= 3.0  # far from 1 so the two orders differ clearly
+    out = run(inputs, jit=True, experts=experts, apply_router_weight_on_input=True)
+    assert_close(out, expected(inputs, apply_router_weight_on_input=True), dtype)
+    after = expected(inputs)
+    assert not np.allclose(out.astype(np.float64), after, **TOL[dtype])
+
+
+@pytest.mark.parametrize("experts", ["xla", "xla_masked"])
+@pytest.mark.parametrize(
+    "dtype,chunk_size",
+    [("float32", 1), ("float32", 3), ("float32", 7), ("float32", 50), ("fp8", 2), ("bfloat16", 4)],
+)
+def test_chunking_matches_oracle(dtype, chunk_size, experts):
+    """Chunk 1; uneven chunks (7 = 3+3+1, 7 = 4+3, 5 = 2+2+1); chunk == T; chunk > T."""
+    problem = FP8_PROBLEMS[0] if dtype == "fp8" else SMALL
+    rng = np.random.default_rng(_seed("chunk", dtype, chunk_size, str(experts)))
+    inputs = make_inputs(problem, dtype, rng, id_low=-1, id_high=problem.num_experts + 1)
+    inputs.topk_ids[-1, :2] = 1  # duplicate in the tail chunk
+    out = run(inputs, jit=True, experts=experts, chunk_size=chunk_size)
+    assert_close(out, expected(inputs), dtype)
+
+
+def test_chunked_expert_map_and_weight_on_input():
+    """Chunking composes with an expert_map and weight-on-input (k = 1)."""
+    expert_map = np.array([1, -1, 0, 3, 2, -1], np.int32)
+    inputs = make_inputs(SMALL_K1, "float32", np.random.default_rng(11), id_low=-1, id_high=7)
+    out = run(
+        inputs,
+        jit=False,
+        experts="xla",
+        chunk_size=2,
+        expert_map=jnp.asarray(expert_map),
+        apply_router_weight_on_input=True,
+    )
+    ref = expected(inputs, expert_map=expert_map, apply_router_weight_on_input=True)
+    assert_close(out, ref, "float32")
+
+
+@pytest.mark.parametrize("experts", ["xla", "xla_masked"])
+def test_gelu_activation(experts):
+    inputs = make_inputs(SMALL, "float32", np.random.default_rng(_seed("gelu", experts)))
+    out = run(inputs, jit=True, experts=experts, activation="gelu")
+    assert_close(out, expected(inputs, activation="gelu"), "float32")
+
+
+def test_modular_moe_matches_fused_moe_with_an_experts_object():
+    """`ModularMoE` assembled by hand equals the front door with the same experts object."""
+    inputs = make_inputs(SMALL, "float32", np.random.default_rng(5), id_low=-1, id_high=5)
+    layer = ModularMoE(
+        NoEPPrepareFinalize(), ContiguousExperts(gemm="xla", permute_impl="xla"), chunk_size=3
+    )
+    out = layer(
+        *(
+            jnp.asarray(a)
+            for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+        )
+    )
+    assert_close(out, expected(inputs), "float32")
+
+
+def test_masked_experts_with_small_max_m_drop_overflow():
+    """MaskedExperts(max_m) keeps the first max_m pairs per expert in (token, slot) order."""
+    from moe_jax import MaskedExperts
+
+    problem = Problem("T6_H32_I16_E2_k2", 6, 32, 16, 2, 2)
+    inputs = make_inputs(problem, "float32", np.random.default_rng(8))
+    inputs.topk_ids[:] = [[0, 1], [0, 0], [1, 1], [0, 1], [1, 0], [0, 0]]
+    out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla", max_m=4))
+    # Expert 0 keeps pairs (0,0), (1,0), (1,1), (3,0); expert 1 keeps (0,1), (2,0), (2,1), (3,1).
+    kept = inputs.topk_ids.copy()
+    kept[4:] = -1
+    assert_close(out, expected(dataclasses.replace(inputs, topk_ids=kept)), "float32")
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def _good(dtype="float32"):
+    problem = FP8_PROBLEMS[0] if dtype == "fp8" else Problem("T3_H32_I16_E4_k2", 3, 32, 16, 4, 2)
+    inputs = make_inputs(problem, dtype, np.random.default_rng(0))
+    return {
+        "hidden_states": jnp.asarray(inputs.x),
+        "w1": jnp.asarray(inputs.w1),
+        "w2": jnp.asarray(inputs.w2),
+        "topk_weights": jnp.asarray(inputs.topk_weights),
+        "topk_ids": jnp.asarray(inputs.topk_ids),
+        "w1_scale": None if inputs.w1_scale is None else jnp.asarray(inputs.w1_scale),
+        "w2_scale": None if inputs.w2_scale is None else jnp.asarray(inputs.w2_scale),
+    }
+
+
+def _call(args: dict, **kwargs):
+    args = {"experts": "xla", **args, **kwargs}
+    return fused_moe(
+        args.pop("hidden_states"),
+        args.pop("w1"),
+        args.pop("w2"),
+        args.pop("topk_weights"),
+        args.pop("topk_ids"),
+        **args,
+    )
+
+
+BAD_INPUTS = [
+    pytest.param(
+        dict(hidden_states=jnp.ones((3, 32, 1))), ValueError, r"hidden_states\.shape", id="x_3d"
+    ),
+    pytest.param(
+        dict(hidden_states=jnp.ones((3, 32), jnp.int32)),
+        TypeError,
+        r"hidden_states\.dtype",
+        id="x_int",
+    ),
+    pytest.param(dict(hidden_states=jnp.ones((3, 64))), ValueError, r"w1\.shape", id="x_width"),
+    pytest.param(dict(w2=jnp.ones((4, 32, 8))), ValueError, r"w2\.shape", id="w2_inter"),
+    pytest.param(dict(w2=jnp.ones((3, 32, 16))), ValueError, r"w2\.shape", id="w2_experts"),
+    pytest.param(dict(w1=jnp.ones((4, 31, 32))), ValueError, r"w1\.shape", id="w1_odd_2i"),
+    pytest.param(
+        dict(w2=jnp.ones((4, 32, 16), jnp.bfloat16)), TypeError, r"w1\.dtype", id="w_dtypes_differ"
+    ),
+    pytest.param(
+        dict(topk_ids=jnp.zeros((4, 2), jnp.int32)), ValueError, r"topk_ids\.shape", id="ids_rows"
+    ),
+    pytest.param(
+        dict(topk_ids=jnp.zeros((3, 2), jnp.float32)), TypeError, r"topk_ids\.dtype", id="ids_float"
+    ),
+    pytest.param(
+        dict(topk_weights=jnp.ones((3, 3))), ValueError, r"topk_weights\.shape", id="weights_shape"
+    ),
+    pytest.param(
+        dict(topk_weights=jnp.ones((3, 2), jnp.int32)),
+        TypeError,
+        r"topk_weights\.dtype",
+        id="weights_int",
+    ),
+    pytest.param(
+        dict(apply_router_weight_on_input=True),
+        ValueError,
+        r"apply_router_weight_on_input",
+        id="on_input_k2",
+    ),
+    pytest.param(
+        dict(expert_map=jnp.zeros((6,), jnp.int32), global_num_experts=8),
+        ValueError,
+        r"global_num_experts",
+        id="map_vs_global",
+    ),
+    pytest.param(
+        dict(expert_map=jnp.zeros((6,), jnp.float32)), ValueError, r"expert_map", id="map_float"
+    ),
+    pytest.param(
+        dict(activation="relu"),
+        ValueError,
+        r"unknown activation 'relu'.*gelu.*silu",
+        id="activation",
+    ),
+    pytest.param(
+        dict(experts="cutlass"),
+        ValueError,
+        r"unknown experts 'cutlass'.*" + ".*".join(EXPERTS_NAMES),
+        id="experts_name",
+    ),
+    pytest.param(dict(block_shape=(64, 64)), ValueError, r"block_shape", id="block_shape"),
+]
+
+
+@pytest.mark.parametrize("change,error,match", BAD_INPUTS)
+def test_bad_input_raises_naming_the_argument(change, error, match):
+    with pytest.raises(error, match=match):
+        _call(_good(), **change)
+
+
+@pytest.mark.parametrize("hidden,inter", [(64, 128), (128, 64), (192, 128)])
+def test_fp8_needs_h_and_i_multiples_of_128(hidden, inter):
+    rng = np.random.default_rng(hidden + inter)
+    w1, s1 = oracles.per_block_quant_fp8(rng.standard_normal((2, 2 * inter, hidden)))
+    w2, s2 = oracles.per_block_quant_fp8(rng.standard_normal((2, hidden, inter)))
+    with pytest.raises(ValueError, match=r"multiples of 128.*H=.*I="):
+        fused_moe(
+            jnp.ones((3, hidden), jnp.bfloat16),
+            jnp.asarray(w1),
+            jnp.asarray(w2),
+            jnp.ones((3, 1)),
+            jnp.zeros((3, 1), jnp.int32),
+            w1_scale=jnp.asarray(s1),
+            w2_scale=jnp.asarray(s2),
+            experts="xla",
+        )
+
+
+def test_fp8_scales_missing_or_misshaped():
+    args = _good("fp8")
+    with pytest.raises(ValueError, match=r"w1_scale"):
+        _call(args, w1_scale=None)
+    with pytest.raises(ValueError, match=r"w2_scale"):
+        _call(args, w2_scale=jnp.ones((4, 2, 1), jnp.float32))
+    with pytest.raises(ValueError, match=r"w1_scale"):
+        _call(args, w1_scale=args["w1_scale"].astype(jnp.bfloat16))
+
+
+def test_chunk_size_must_be_positive():
+    with pytest.raises(ValueError, match=r"chunk_size=0"):
+        _call(_good(), chunk_size=0)
