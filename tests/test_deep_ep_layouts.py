@@ -178,3 +178,28 @@ def test_dispatch_ids_and_limits():
     ]:
         with pytest.raises(ValueError, match=match):
             dl.check_ll(**{**ok, **bad})
+
+
+def test_adapters_refuse_unsupported_problems_before_touching_deep_ep():
+    from moe_jax.interop import deep_ep as dep
+
+    problem = dict(rank=0, num_experts=64, num_tokens=128, hidden=7168, num_topk=8)
+    with pytest.raises(ValueError, match="2, 4, 8"):
+        dep.DeepEPHighThroughput(buffer=None, problem=dep.DeepEPProblem(num_ranks=3, **problem))
+    with pytest.raises(ValueError, match="hidden sizes"):
+        dep.DeepEPLowLatency(
+            buffer=None, problem=dep.DeepEPProblem(num_ranks=8, **{**problem, "hidden": 1000})
+        )
+    assert dep.DeepEPProblem(num_ranks=8, **problem).num_local_experts == 8
+
+
+def test_missing_deep_ep_says_why_and_what_to_do():
+    import importlib.util
+
+    from moe_jax.interop import deep_ep as dep
+
+    if importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("deep_ep is installed here")
+    with pytest.raises(ImportError, match="deepinfer-ep 2.5.0") as info:
+        dep.import_deep_ep()
+    assert "2.28.9" in str(info.value) and "moe_jax.expert_parallel" in str(info.value)
