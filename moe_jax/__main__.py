@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--shapes", nargs="+", help="A, B, small (default: A B on GPU, else small)")
     bench.add_argument("--variants", nargs="+", help="subset of variants (default: all)")
     bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
+    bench.add_argument(
+        "--breakdown", action="store_true", help="also time each stage of the FP8 forward"
+    )
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--plot", help="also write a PNG bar chart of the times")
     args = parser.parse_args(argv)

@@ -242,6 +242,113 @@ def run(
     return rows
 
 
+def stage_breakdown(layer: Layer, *, iters: int) -> list[dict]:
+    """Median ms of each stage of moe_jax's FP8 forward, each jitted alone on real inputs."""
+    from moe_jax import permute
+    from moe_jax.experts import ExpertsCall, ExpertWeights, _activate, resolve_experts
+
+    num_tokens, topk = layer.topk_ids.shape
+    weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
+    experts = resolve_experts(
+        "auto", weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE
+    )
+    if not isinstance(experts, ContiguousExperts):
+        return []
+    gemm1, gemm2 = experts.select_gemms(
+        weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE
+    )
+    config = quant.Fp8BlockQuant()
+    call = ExpertsCall(quant_config=config, out_dtype=jnp.bfloat16)
+    num_experts, align = weights.num_experts, experts.alignment
+
+    def gemm(backend):
+        return jax.jit(
+            lambda rows, scales, ids, ends, w, ws: backend.contiguous(
+                rows,
+                w,
+                ids,
+                ends,
+                x_scales=scales,
+                w_scales=ws,
+                alignment=align,
+                out_dtype=jnp.bfloat16,
+            )
+        )
+
+    stages = [
+        ("quantize x", jax.jit(config.quantize_activations), lambda: (layer.x,)),
+        (
+            "permute",
+            jax.jit(
+                lambda xq, xs, ids: permute.permute(
+                    xq,
+                    ids,
+                    num_experts=num_experts,
+                    x_scales=xs,
+                    alignment=align,
+                    impl=experts.permute_impl,
+                )
+            ),
+            lambda: (*state["xq"], layer.topk_ids),
+        ),
+        (
+            f"GEMM1 ({gemm1.name})",
+            gemm(gemm1),
+            lambda: (
+                state["lay"].rows,
+                state["lay"].row_scales,
+                state["lay"].expert_ids,
+                state["lay"].expert_ends,
+                layer.w1q,
+                layer.w1s,
+            ),
+        ),
+        (
+            "act*up + quantize",
+            jax.jit(lambda h: _activate(h, call, experts.act_quant_impl)),
+            lambda: (state["h"],),
+        ),
+        (
+            f"GEMM2 ({gemm2.name})",
+            gemm(gemm2),
+            lambda: (
+                *state["a"],
+                state["lay"].expert_ids,
+                state["lay"].expert_ends,
+                layer.w2q,
+                layer.w2s,
+            ),
+        ),
+        (
+            "unpermute + reduce",
+            jax.jit(
+                lambda y, inv, w: permute.unpermute(
+                    y, inv, w, out_dtype=jnp.bfloat16, impl=experts.permute_impl
+                )
+            ),
+            lambda: (state["y"], state["lay"].inverse, layer.topk_weights),
+        ),
+    ]
+    keys = ["xq", "lay", "h", "a", "y", None]
+    state: dict = {}
+    rows = []
+    for (name, fn, args), key in zip(stages, keys, strict=True):
+        out = fn(*args())
+        rows.append(dict(stage=name, ms=time_jax(fn, args(), iters=iters)))
+        if key:
+            state[key] = out
+    return rows
+
+
+def format_breakdown(shape: BenchShape, rows: list[dict]) -> str:
+    total = sum(r["ms"] for r in rows)
+    lines = [f"stages of moe_jax_fp8, shape {shape} (each jitted alone)"]
+    for r in rows:
+        lines.append(f"  {r['stage']:<24} {r['ms']:>8.3f} ms  {100 * r['ms'] / total:5.1f}%")
+    lines.append(f"  {'sum':<24} {total:>8.3f} ms")
+    return "\n".join(lines)
+
+
 def _add_ratios(rows: list[dict]) -> None:
     """speedup = best baseline time of the shape / this time."""
     for shape in {r["shape"] for r in rows}:
@@ -327,12 +434,19 @@ def main(args) -> int:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
     rows = run(shape_names, variants, iters=args.iters)
+    breakdowns = {}
+    if args.breakdown:
+        for name in shape_names:
+            print(f"[{name}] stage breakdown", file=sys.stderr, flush=True)
+            breakdowns[name] = stage_breakdown(make_layer(SHAPES[name]), iters=args.iters)
     env = environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
+    for name, stages in breakdowns.items():
+        print(format_breakdown(SHAPES[name], stages))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
+            json.dump(dict(environment=env, rows=rows, breakdown=breakdowns), f, indent=1)
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
