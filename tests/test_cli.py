@@ -11,7 +11,7 @@ def test_demo_prints_checked_table(capsys):
     assert main(["demo", "--tokens", "32"]) == 0
     out = capsys.readouterr().out
     assert "fp8 block weights" in out and "bf16 weights" in out
-    errors = [float(line.split()[-1]) for line in out.splitlines() if "weights" in line]
+    errors = [float(line.split()[-1]) for line in out.splitlines() if " weights  " in line]
     assert len(errors) == 2 and all(e < 0.1 for e in errors)
 
 
