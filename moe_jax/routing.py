@@ -121,7 +121,7 @@ def grouped_topk(
 
     scores = _scores(gating_output.astype(jnp.float32), scoring_func).astype(gating_output.dtype)
     if has_bias:
-        choice = scores.astype(jnp.float32) + e_score_correction_bias.astype(jnp.float32)
+        choice = scores.astype(jnp.float32) + e_score_correction_bias.astype(jnp.float32)[None, :]
         grouped = choice.reshape(num_tokens, num_expert_group, per_group)
         group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
     else:
