@@ -2,9 +2,30 @@
 
 `bridge.torch_callback` runs a torch function on XLA's buffers and stream; the GEMM backends
 "torch" and "deep_gemm" register themselves with `moe_jax.grouped_gemm` when imported (the registry
-imports them on first use). torch and deep_gemm are imported only when a call needs them.
+imports them on first use). `deep_ep` holds the DeepEP expert-parallel adapters. torch, deep_gemm
+and deep_ep are imported only when a call needs them.
 """
 
+from moe_jax.interop import deep_ep_layouts
 from moe_jax.interop.bridge import TORCH_INSTALL_HINT, import_torch, torch_callback
+from moe_jax.interop.deep_ep import (
+    DEEP_EP_INSTALL_HINT,
+    DeepEPHighThroughput,
+    DeepEPLowLatency,
+    DeepEPProblem,
+    deep_ep_ll_moe,
+    init_distributed,
+)
 
-__all__ = ["TORCH_INSTALL_HINT", "import_torch", "torch_callback"]
+__all__ = [
+    "DEEP_EP_INSTALL_HINT",
+    "DeepEPHighThroughput",
+    "DeepEPLowLatency",
+    "DeepEPProblem",
+    "TORCH_INSTALL_HINT",
+    "deep_ep_layouts",
+    "deep_ep_ll_moe",
+    "import_torch",
+    "init_distributed",
+    "torch_callback",
+]

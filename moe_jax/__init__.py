@@ -1,13 +1,22 @@
 """moe_jax: vLLM's modular fused-MoE kernel in JAX.
 
-Routing (`fused_topk`, `grouped_topk`), the functional layer (`fused_moe`), and its composable
-parts (`ModularMoE`, `NoEPPrepareFinalize`, `ContiguousExperts`, `MaskedExperts`). Pallas GPU
+Routing (`fused_topk`, `grouped_topk`), the functional layer (`fused_moe`), its composable parts
+(`ModularMoE`, `NoEPPrepareFinalize`, `ContiguousExperts`, `MaskedExperts`), and expert parallelism
+on JAX collectives (`ep_fused_moe`, `ep_moe`, `AllToAllPrepareFinalize`). Pallas GPU
 kernels live in `moe_jax.kernels`; DLPack interop with torch-hosted DeepGEMM/DeepEP in
 `moe_jax.interop`.
 """
 
 from moe_jax import layouts, quant
 from moe_jax.activation import act_and_mul
+from moe_jax.expert_parallel import (
+    AllToAllPrepareFinalize,
+    EPConfig,
+    EPStats,
+    ep_fused_moe,
+    ep_moe,
+    expert_map_for_rank,
+)
 from moe_jax.experts import (
     EXPERTS_NAMES,
     ContiguousExperts,
@@ -35,8 +44,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EXPERTS_NAMES",
+    "AllToAllPrepareFinalize",
     "AlreadyReduced",
     "ContiguousExperts",
+    "EPConfig",
+    "EPStats",
     "Experts",
     "ExpertsCall",
     "ExpertWeights",
@@ -52,6 +64,9 @@ __all__ = [
     "act_and_mul",
     "available_gemms",
     "count_expert_num_tokens",
+    "ep_fused_moe",
+    "ep_moe",
+    "expert_map_for_rank",
     "fused_moe",
     "fused_topk",
     "grouped_topk",
