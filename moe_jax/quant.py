@@ -24,6 +24,15 @@ SCALE_EPS = 1e-10
 DEFAULT_BLOCK_SHAPE = (128, 128)
 
 
+def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b correctly rounded, as vLLM divides (not a * (1 / b), which differs in the last bit).
+
+    XLA's algebraic simplifier rewrites A / broadcast(B) into A * broadcast(1 / B); dividing by a
+    full-shape operand behind an optimization barrier keeps the true division.
+    """
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+
+
 def _check_floating(x: jax.Array, name: str) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == FP8_DTYPE:
         raise TypeError(f"{name}.dtype={x.dtype} but a float16/bfloat16/float32 array is needed")
@@ -53,8 +62,8 @@ def per_token_group_quant_fp8(x: jax.Array, group_size: int = 128) -> tuple[jax.
         )
     groups = x.astype(jnp.float32).reshape(*x.shape[:-1], hidden // group_size, group_size)
     amax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
-    scales = jnp.maximum(amax, SCALE_EPS) / FP8_MAX
-    q = jnp.clip(groups / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    scales = _divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
+    q = jnp.clip(_divide(groups, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return q.reshape(x.shape), scales[..., 0]
 
 
@@ -101,8 +110,8 @@ def per_block_quant_fp8(
     )
     tiles = padded.reshape(*lead, gn, bn, gk, bk)
     amax = jnp.max(jnp.abs(tiles), axis=(-3, -1), keepdims=True)
-    scales = jnp.maximum(amax, SCALE_EPS) / FP8_MAX
-    q = jnp.clip(tiles / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    scales = _divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
+    q = jnp.clip(_divide(tiles, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     q = q.reshape(*lead, gn * bn, gk * bk)[..., :n, :k]
     return q, scales[..., 0, :, 0]
 
