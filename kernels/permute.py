@@ -14,8 +14,9 @@ Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (pairs p = token*k
     source (token per output row):    [0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1]
 
 The rank of a pair among earlier pairs of its expert is a two-level scan: pairs are cut into blocks
-of `_RANK_BLOCK`; a per-block histogram [blocks, E] with an exclusive cumsum over blocks counts the
-earlier blocks, and an in-block comparison [blocks, B, B] counts earlier pairs of the same block.
+of B = `PermuteConfig.block_rank`; a per-block histogram [blocks, E] with an exclusive cumsum over
+blocks counts the earlier blocks, and an in-block comparison [blocks, B, B] counts earlier pairs of
+the same block.
 That is O(T*k*(E + B)) compares fused into reductions, instead of the reference's [T*k, E] cumsum.
 """
 
@@ -32,8 +33,6 @@ from jax.experimental.pallas import triton as plt
 from moe_jax import layouts
 from moe_jax.kernels import _triton
 
-# Pairs per block of the two-level rank scan; [blocks, B, B] compares, B a power of two.
-_RANK_BLOCK = 128
 _ROW_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 # Copies move bits: each row dtype travels as the unsigned integer of its width.
 _BITS_DTYPE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -48,15 +47,21 @@ class PermuteConfig:
       block_h: hidden columns per program (power of two); a tail past H is masked.
       num_warps: Triton warps per program.
       num_stages: Triton pipeline stages (the kernel has no loop; 1 is enough).
+      has_eviction_hints: keep token rows in L2 (each is read k times) and stream the output
+        rows past it (written once); False issues plain loads and stores.
+      block_rank: (token, slot) pairs per block of the metadata's two-level rank scan (XLA ops:
+        [T*k / block_rank, block_rank, block_rank] compares).
     """
 
     block_m: int = 16
     block_h: int = 1024
     num_warps: int = 4
     num_stages: int = 1
+    has_eviction_hints: bool = True
+    block_rank: int = 128
 
     def __post_init__(self):
-        for name in ("block_m", "block_h", "num_warps"):
+        for name in ("block_m", "block_h", "num_warps", "block_rank"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"PermuteConfig.{name}={value} but a power of two is needed")
@@ -87,6 +92,7 @@ def _gather_rows_kernel(
     num_rows: int,
     num_tokens: int,
     hidden: int,
+    has_eviction_hints: bool,
 ):
     """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile."""
     rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
@@ -122,6 +128,7 @@ def _gather_rows(
         num_rows=num_rows,
         num_tokens=num_tokens,
         hidden=cols,
+        has_eviction_hints=config.has_eviction_hints,
     )
     with _triton.quiet_triton_deprecation():
         out = pl.pallas_call(
@@ -132,18 +139,20 @@ def _gather_rows(
             compiler_params=_triton.compiler_params(
                 num_warps=config.num_warps, num_stages=config.num_stages
             ),
-            name=f"permute_{config.block_m=}_{block_h=}_{config.num_warps=}",
+            name=f"permute_{config.block_m=}_{block_h=}_{config.num_warps=}"
+            f"_{config.has_eviction_hints=}",
         )(source, bits)
     return jax.lax.bitcast_convert_type(out, a.dtype)
 
 
 def routing_metadata(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, block_rank: int = 128
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Destinations of a routing in the contiguous layout (see the module docstring).
 
     Args:
       local_ids: int32[T, k] local ids in [0, E) or -1 (`layouts.map_expert_ids`), T*k > 0.
+      block_rank: pairs per block of the rank scan (a power of two).
 
     Returns:
       (inverse int32[T, k] (-1 invalid), num_tokens_per_expert int32[E], expert_ends int32[E],
@@ -153,7 +162,7 @@ def routing_metadata(
     num_pairs = num_tokens * topk
     flat = local_ids.reshape(-1)
     key = jnp.where(flat >= 0, flat, num_experts)  # invalid pairs share the sentinel bucket E
-    block = min(_RANK_BLOCK, _triton.next_power_of_2(num_pairs))
+    block = min(block_rank, _triton.next_power_of_2(num_pairs))
     num_blocks = pl.cdiv(num_pairs, block)
     blocked = jnp.pad(key, (0, num_blocks * block - num_pairs), constant_values=num_experts)
     blocked = blocked.reshape(num_blocks, block)
@@ -260,11 +269,15 @@ def permute(
             expert_ends=no_experts,
         )
     local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    inverse, counts, ends, source, expert_ids = routing_metadata(
-        local, num_experts=num_experts, alignment=alignment, num_rows=num_rows
-    )
     if config is None:
         config = heuristic_config(num_rows, x.shape[1], x.dtype.itemsize)
+    inverse, counts, ends, source, expert_ids = routing_metadata(
+        local,
+        num_experts=num_experts,
+        alignment=alignment,
+        num_rows=num_rows,
+        block_rank=config.block_rank,
+    )
     rows = _gather_rows(x, source, config=config, interpret=interpret)
     row_scales = None
     if x_scales is not None:
