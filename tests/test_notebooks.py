@@ -1,0 +1,87 @@
+"""Executes notebooks/*.ipynb top to bottom so they cannot rot (their cells assert their claims)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+KERNEL = "moe_jax_test_python"
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    """A kernel spec that runs this very interpreter, and a headless matplotlib."""
+    spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "moe_jax tests",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    assert KernelSpecManager().get_kernel_spec(KERNEL).argv[0] == sys.executable
+    return monkeypatch
+
+
+def execute(name: str) -> str:
+    """Runs a notebook from notebooks/ (as its working directory); returns its stream output."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
+        f"{name} is committed with outputs; clear them (python notebooks/_build.py)"
+    )
+    client = nbclient.NotebookClient(
+        nb, kernel_name=KERNEL, timeout=240, resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
+    client.execute()
+    return "".join(
+        o.get("text", "")
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stdout"
+    )
+
+
+def test_tour(kernel_env):
+    out = execute("01_tour.ipynb")
+    assert "xla_masked         ran" in out
+    assert "FP8 layer vs float layer" in out
+
+
+def test_routing(kernel_env):
+    out = execute("02_routing.ipynb")
+    assert "hot-group share" in out and "max/mean load:" in out
+
+
+def test_performance_without_results(kernel_env, tmp_path):
+    kernel_env.setenv("MOE_JAX_BENCH_JSON", str(tmp_path / "absent.json"))
+    out = execute("03_performance.ipynb")
+    assert "no benchmark results at" in out
+    assert "ridge points" in out
+
+
+def test_performance_with_results(kernel_env, tmp_path):
+    results = [
+        {"shape": "A", "variant": "deep_gemm fp8", "ms": 3.1, "tflops": 931.0},
+        {"shape": "shape_B", "variant": "torch bf16", "ms": 1.6},  # tflops derived
+        {"shape": "B", "variant": "broken"},  # no ms: skipped
+        {"shape": "Z", "variant": "unknown shape", "ms": 1.0},  # skipped
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(results))
+    kernel_env.setenv("MOE_JAX_BENCH_JSON", str(path))
+    out = execute("03_performance.ipynb")
+    assert f"2 measured points from {path}, 2 skipped" in out
+    assert "shape B torch bf16" in out and "386.5 TFLOP/s" in out  # 618.5 GFLOP / 1.6 ms
