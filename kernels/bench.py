@@ -47,28 +47,27 @@ SHAPES = {
     "B": Shape("B", 8192, 8, 2048, 128),
     "tiny": Shape("tiny", 64, 4, 256, 8),
 }
-# Overrides of the heuristic config timed by --sweep; "2h" doubles block_h.
+# Overrides of the heuristic config timed by --sweep; "2h" doubles block_h, "h/2" halves it.
 PERMUTE_SWEEP = [
     dict(has_eviction_hints=False),
     dict(block_m=8),
     dict(block_m=32, num_warps=8),
-    dict(block_m=8, block_h="2h", num_warps=8),
-    dict(block_rank=64),
-    dict(block_rank=256),
+    dict(num_warps=8),
+    dict(block_rank=32),
+    dict(block_rank=128),
 ]
 UNPERMUTE_SWEEP = [
     dict(has_eviction_hints=False),
     dict(block_t=2),
-    dict(block_t=8),
-    dict(block_t=4, num_warps=8),
-    dict(block_t=2, block_h="2h", num_warps=8),
-    dict(block_t=1, block_h="2h"),
+    dict(num_warps=8),
+    dict(block_t=2, block_h="h/2"),
+    dict(block_t=4, block_h="h/2", num_warps=8),
 ]
 
 
 def _override(base, change):
-    change = {k: 2 * base.block_h if v == "2h" else v for k, v in change.items()}
-    return dataclasses.replace(base, **change)
+    sizes = {"2h": 2 * base.block_h, "h/2": max(1, base.block_h // 2)}
+    return dataclasses.replace(base, **{k: sizes.get(v, v) for k, v in change.items()})
 
 
 def time_us(fn, *args, batches: int, per_batch: int) -> float:
@@ -93,6 +92,13 @@ def copy_bandwidth(num_bytes: int, timing) -> float:
     return 2 * a.nbytes / us / 1e3
 
 
+def fill_bandwidth(num_bytes: int, timing) -> float:
+    """GB/s of writing num_bytes (no reads): the ceiling of a write-dominated op like permute."""
+    fill = jax.jit(functools.partial(jnp.full, (num_bytes // 4,), dtype=jnp.uint32))
+    us = time_us(fill, jnp.uint32(7), **timing)
+    return num_bytes // 4 * 4 / us / 1e3
+
+
 def _metadata(ids, *, num_experts, num_rows):
     local = layouts.map_expert_ids(ids, num_experts=num_experts)
     return routing_metadata(
@@ -101,6 +107,10 @@ def _metadata(ids, *, num_experts, num_rows):
 
 
 _jitted_gather_rows = jax.jit(_gather_rows, static_argnames=("config", "interpret"))
+
+
+def pl_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _nbytes(*arrays) -> int:
@@ -115,9 +125,8 @@ def run(args) -> list[dict]:
     timing = dict(batches=args.batches, per_batch=args.per_batch)
     interpret = args.interpret
     copy_gbs = copy_bandwidth(args.copy_bytes, timing)
-    print(
-        f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  copy {copy_gbs:.0f} GB/s"
-    )
+    fill_gbs = fill_bandwidth(args.copy_bytes, timing)
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
     rows = []
     rng = np.random.default_rng(0)
     for shape in [SHAPES[s] for s in args.shapes]:
@@ -161,11 +170,28 @@ def run(args) -> list[dict]:
                     config=permute_heuristic(num_rows, H, 2),
                     interpret=interpret,
                 )
-                copy_us = time_us(copy_only, xs, source, **timing)
+                copy_us = time_us(copy_only, xs, None, source, **timing)
                 moved_copy = _nbytes(xs, source) + num_rows * H * 2
                 rows.append(_row("  metadata", shape, "int32", meta_us, None, 0, copy_gbs, None))
                 rows.append(
                     _row("  row copy", shape, dtype_name, copy_us, None, moved_copy, copy_gbs, None)
+                )
+                # Same kernel, source = identity over a T-row x tiled to M rows: no gather.
+                tiled = jnp.tile(xs, (pl_cdiv(num_rows, T), 1))[:num_rows]
+                identity = jnp.arange(num_rows, dtype=jnp.int32)
+                ident_us = time_us(copy_only, tiled, None, identity, **timing)
+                moved_ident = 2 * num_rows * H * 2 + num_rows * 4
+                rows.append(
+                    _row(
+                        "  plain copy",
+                        shape,
+                        dtype_name,
+                        ident_us,
+                        None,
+                        moved_ident,
+                        copy_gbs,
+                        None,
+                    )
                 )
 
         # Unpermute: expert outputs are bf16 (GEMM2 output) in both the bf16 and FP8 pipelines.
@@ -192,7 +218,7 @@ def run(args) -> list[dict]:
         if args.sweep:
             for r_us, r_name, _ in results:
                 print(f"  sweep unpermute {shape.name} {r_us:9.1f} us  {r_name}")
-    return rows, copy_gbs
+    return rows, copy_gbs, fill_gbs
 
 
 def _row(kernel, shape, dtype, us, xla_us, moved, copy_gbs, ok):
@@ -210,21 +236,26 @@ def _row(kernel, shape, dtype, us, xla_us, moved, copy_gbs, ok):
     )
 
 
-def print_table(rows, copy_gbs):
+def print_table(rows, copy_gbs, fill_gbs):
     print(f"\ncopy bandwidth (read+write): {copy_gbs:.0f} GB/s")
-    print("| kernel | shape | dtype | time us | GB/s | % copy BW | XLA us | speedup | correct |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"fill bandwidth (write only): {fill_gbs:.0f} GB/s")
+    print(
+        "| kernel | shape | dtype | time us | GB/s | % copy BW | % fill BW | XLA us | speedup "
+        "| correct |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         xla = "" if r["xla_us"] is None else f"{r['xla_us']:.1f}"
         speed = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         gbs = "" if np.isnan(r["gbs"]) else f"{r['gbs']:.0f}"
         pct = "" if np.isnan(r["pct"]) else f"{r['pct']:.0f}%"
+        pct_fill = "" if np.isnan(r["gbs"]) else f"{100 * r['gbs'] / fill_gbs:.0f}%"
         ok = "" if r["ok"] is None else ("exact" if r["ok"] is True else str(r["ok"]))
         if r["kernel"] == "unpermute" and r["ok"] is not None:
             ok = "ok" if r["ok"] else "MISMATCH"
         print(
             f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {r['us']:.1f} | {gbs} | {pct} "
-            f"| {xla} | {speed} | {ok} |"
+            f"| {pct_fill} | {xla} | {speed} | {ok} |"
         )
     for r in rows:
         if "config" in r:
@@ -245,8 +276,8 @@ def main(argv=None):
         args.shapes, args.batches, args.per_batch, args.copy_bytes = ["tiny"], 2, 2, 1 << 20
     # The Triton backend is deprecated in jax >= 0.11 but is the one that gathers rows on Hopper.
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
-    rows, copy_gbs = run(args)
-    print_table(rows, copy_gbs)
+    rows, copy_gbs, fill_gbs = run(args)
+    print_table(rows, copy_gbs, fill_gbs)
 
 
 if __name__ == "__main__":

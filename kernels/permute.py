@@ -58,7 +58,7 @@ class PermuteConfig:
     num_warps: int = 4
     num_stages: int = 1
     has_eviction_hints: bool = True
-    block_rank: int = 128
+    block_rank: int = 64
 
     def __post_init__(self):
         for name in ("block_m", "block_h", "num_warps", "block_rank"):
@@ -84,17 +84,24 @@ def _gather_rows_kernel(
     # inputs
     source_ref,
     x_ref,
+    scales_ref,
     # outputs
     out_ref,
+    out_scales_ref,
     *,
     block_m: int,
     block_h: int,
+    block_g: int,
     num_rows: int,
     num_tokens: int,
     hidden: int,
+    num_groups: int,
     has_eviction_hints: bool,
 ):
-    """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile."""
+    """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile.
+
+    The programs of the first column block also copy the rows' scales ([block_m, block_g]).
+    """
     rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
     row_ok = rows < num_rows
@@ -102,51 +109,92 @@ def _gather_rows_kernel(
     source = plt.load(source_ref.at[jnp.where(row_ok, rows, 0)], mask=row_ok, other=-1)
     has_source = source >= 0
     # Clamped indices keep masked lanes in bounds; the mask decides what is read.
+    token = jnp.clip(source, 0, num_tokens - 1)
     taken = plt.load(
-        x_ref.at[jnp.clip(source, 0, num_tokens - 1)[:, None], cols[None, :]],
+        x_ref.at[token[:, None], cols[None, :]],
         mask=has_source[:, None] & col_ok[None, :],
         other=0,
+        eviction_policy="evict_last" if has_eviction_hints else None,
     )
     plt.store(
-        out_ref.at[rows[:, None], cols[None, :]], taken, mask=row_ok[:, None] & col_ok[None, :]
+        out_ref.at[rows[:, None], cols[None, :]],
+        taken,
+        mask=row_ok[:, None] & col_ok[None, :],
+        eviction_policy="evict_first" if has_eviction_hints else None,
     )
+    if scales_ref is None:
+        return
+
+    @pl.when(pl.program_id(1) == 0)
+    def _copy_scales():
+        groups = jnp.arange(block_g, dtype=jnp.int32)
+        group_ok = groups < num_groups
+        scales = plt.load(
+            scales_ref.at[token[:, None], groups[None, :]],
+            mask=has_source[:, None] & group_ok[None, :],
+            other=0,
+        )
+        plt.store(
+            out_scales_ref.at[rows[:, None], groups[None, :]],
+            scales,
+            mask=row_ok[:, None] & group_ok[None, :],
+        )
+
+
+def _gather_rows_no_scales_kernel(source_ref, x_ref, out_ref, **kwargs):
+    _gather_rows_kernel(source_ref, x_ref, None, out_ref, None, **kwargs)
 
 
 def _gather_rows(
-    a: jax.Array, source: jax.Array, *, config: PermuteConfig, interpret: bool
-) -> jax.Array:
-    """Rows a[source[r]] (zero where source[r] < 0): [M, C] in a.dtype, bit-exact."""
-    num_tokens, cols = a.shape
+    x: jax.Array,
+    x_scales: jax.Array | None,
+    source: jax.Array,
+    *,
+    config: PermuteConfig,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(x[source[r]], x_scales[source[r]]), zero where source[r] < 0; bit-exact copies.
+
+    Args:
+      x: [T, H] rows of any 1-, 2- or 4-byte dtype. x_scales: float32[T, G] or None.
+      source: int32[M] token of each output row, -1 for padding.
+    """
+    num_tokens, hidden = x.shape
     num_rows = source.shape[0]
-    bits = jax.lax.bitcast_convert_type(a, _BITS_DTYPE[a.dtype.itemsize])
-    block_h = min(config.block_h, _triton.next_power_of_2(cols))
-    grid = (pl.cdiv(num_rows, config.block_m), pl.cdiv(cols, block_h))
+    block_h = min(config.block_h, _triton.next_power_of_2(hidden))
+    num_groups = 0 if x_scales is None else x_scales.shape[1]
     kernel = functools.partial(
-        _gather_rows_kernel,
+        _gather_rows_kernel if x_scales is not None else _gather_rows_no_scales_kernel,
         block_m=config.block_m,
         block_h=block_h,
+        block_g=_triton.next_power_of_2(num_groups),
         num_rows=num_rows,
         num_tokens=num_tokens,
-        hidden=cols,
+        hidden=hidden,
+        num_groups=num_groups,
         has_eviction_hints=config.has_eviction_hints,
     )
+    operands = [x] if x_scales is None else [x, x_scales]
+    bits = [jax.lax.bitcast_convert_type(a, _BITS_DTYPE[a.dtype.itemsize]) for a in operands]
+    out_shape = [jax.ShapeDtypeStruct((num_rows, a.shape[1]), a.dtype) for a in bits]
     with _triton.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
-            grid=grid,
-            out_shape=jax.ShapeDtypeStruct((num_rows, cols), bits.dtype),
+            grid=(pl.cdiv(num_rows, config.block_m), pl.cdiv(hidden, block_h)),
+            out_shape=out_shape,
             interpret=interpret,
             compiler_params=_triton.compiler_params(
                 num_warps=config.num_warps, num_stages=config.num_stages
             ),
             name=f"permute_{config.block_m=}_{block_h=}_{config.num_warps=}"
             f"_{config.has_eviction_hints=}",
-        )(source, bits)
-    return jax.lax.bitcast_convert_type(out, a.dtype)
+        )(source, *bits)
+    out = [jax.lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, operands, strict=True)]
+    return out[0], None if x_scales is None else out[1]
 
 
 def routing_metadata(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, block_rank: int = 128
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, block_rank: int = 64
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Destinations of a routing in the contiguous layout (see the module docstring).
 
@@ -278,10 +326,7 @@ def permute(
         num_rows=num_rows,
         block_rank=config.block_rank,
     )
-    rows = _gather_rows(x, source, config=config, interpret=interpret)
-    row_scales = None
-    if x_scales is not None:
-        row_scales = _gather_rows(x_scales, source, config=config, interpret=interpret)
+    rows, row_scales = _gather_rows(x, x_scales, source, config=config, interpret=interpret)
     return layouts.ContiguousLayout(
         rows=rows,
         row_scales=row_scales,
