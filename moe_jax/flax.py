@@ -271,19 +271,16 @@ class MoE(nnx.Module):
         r = self.router
         if r.is_grouped:
             bias = self.e_score_correction_bias
-            # grouped_topk adds the [E] bias to [T, E] scores by rank promotion, which
-            # JAX_NUMPY_RANK_PROMOTION=raise rejects; remove once it broadcasts bias[None, :].
-            with jax.numpy_rank_promotion("allow"):
-                return grouped_topk(
-                    logits,
-                    self.topk,
-                    r.renormalize,
-                    r.num_expert_group,
-                    r.topk_group,
-                    scoring_func=r.scoring_func,
-                    e_score_correction_bias=None if bias is None else bias[...],
-                    routed_scaling_factor=r.routed_scaling_factor,
-                )
+            return grouped_topk(
+                logits,
+                self.topk,
+                r.renormalize,
+                r.num_expert_group,
+                r.topk_group,
+                scoring_func=r.scoring_func,
+                e_score_correction_bias=None if bias is None else bias[...],
+                routed_scaling_factor=r.routed_scaling_factor,
+            )
         weights, ids = fused_topk(logits, self.topk, r.renormalize, r.scoring_func)
         if r.routed_scaling_factor != 1.0:
             weights = weights * r.routed_scaling_factor

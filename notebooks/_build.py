@@ -184,10 +184,9 @@ def layer_route(layer, logits):
     if not r.is_grouped:
         return fused_topk(logits, K, r.renormalize, r.scoring_func)[1]
     bias = layer.e_score_correction_bias
-    with jax.numpy_rank_promotion("allow"):  # grouped_topk broadcasts bias [E] over [T, E]
-        return grouped_topk(logits, K, r.renormalize, G, r.topk_group,
-                            scoring_func=r.scoring_func,
-                            e_score_correction_bias=None if bias is None else bias[...])[1]
+    return grouped_topk(logits, K, r.renormalize, G, r.topk_group,
+                        scoring_func=r.scoring_func,
+                        e_score_correction_bias=None if bias is None else bias[...])[1]
 """),
     md("## Softmax top-k vs grouped top-k on the same skewed logits"),
     code("""

@@ -70,17 +70,16 @@ def route_independently(layer: MoE, x) -> tuple[jax.Array, jax.Array]:
     r = layer.router
     if r.is_grouped:
         bias = layer.e_score_correction_bias
-        with jax.numpy_rank_promotion("allow"):  # grouped_topk adds bias [E] to [T, E]
-            return moe_jax.grouped_topk(
-                logits,
-                layer.topk,
-                r.renormalize,
-                r.num_expert_group,
-                r.topk_group,
-                scoring_func=r.scoring_func,
-                e_score_correction_bias=None if bias is None else bias[...],
-                routed_scaling_factor=r.routed_scaling_factor,
-            )
+        return moe_jax.grouped_topk(
+            logits,
+            layer.topk,
+            r.renormalize,
+            r.num_expert_group,
+            r.topk_group,
+            scoring_func=r.scoring_func,
+            e_score_correction_bias=None if bias is None else bias[...],
+            routed_scaling_factor=r.routed_scaling_factor,
+        )
     w, ids = moe_jax.fused_topk(logits, layer.topk, r.renormalize, r.scoring_func)
     return w * r.routed_scaling_factor, ids
 
