@@ -1,4 +1,4 @@
-"""Pallas GPU kernel: act(gate) * up, then per-token-group FP8 quantization, in one pass.
+"""Pallas GPU kernels: per-token-group FP8 quantization, alone or fused after act(gate) * up.
 
 Between the two grouped GEMMs of the FP8 pipeline, the bf16 [M, 2I] output of GEMM1 becomes the
 FP8 [M, I] input of GEMM2 plus float32 scales [M, I / 128]. Unfused this reads [M, 2I], writes and
@@ -10,7 +10,8 @@ registers.
 Rounding matches `moe_jax.activation.act_and_mul` followed by
 `moe_jax.quant.per_token_group_quant_fp8`: act in float32, rounded to the input dtype, the product
 rounded again, then `scale = max(amax, 1e-10) / 448` and `q = clip(a / scale, +-448)` cast to
-e4m3 with round-to-nearest-even.
+e4m3 with round-to-nearest-even. `group_quant` is the same kernel without the activation: it
+quantizes the layer's input tokens before the permute.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def heuristic_config(num_rows: int) -> ActQuantConfig:
     return ActQuantConfig(block_m=min(32, _triton.next_power_of_2(max(num_rows, 1))))
 
 
+def _store_quantized(a, q_ref, scale_ref, *, interpret: bool):
+    """Quantizes float32 rows `a` [block_m, 128] into q_ref and their scales into scale_ref."""
+    # XLA (interpret mode) rewrites x / s as x * (1 / s); `quant.divide` keeps the true division
+    # that the reference computes. Triton divides directly (its f32 division may differ from the
+    # correctly rounded quotient in the last bit, as in vLLM's Triton quantizer).
+    divide = quant.divide if interpret else (lambda x, y: x / y)
+    amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
+    scale = divide(jnp.maximum(amax, quant.SCALE_EPS), jnp.float32(quant.FP8_MAX))
+    q_ref[...] = jnp.clip(divide(a, scale), -quant.FP8_MAX, quant.FP8_MAX).astype(q_ref.dtype)
+    scale_ref[...] = scale
+
+
 def _act_quant_kernel(
     # inputs
     gate_ref,
@@ -65,11 +78,100 @@ def _act_quant_kernel(
     # Triton rounds exactly on a cast; XLA (interpret mode) needs the explicit rounding.
     round_fn = round_to_dtype if interpret else (lambda x, dtype: x.astype(dtype))
     a = gated_activation(gate_ref[...], up_ref[...], activation, round_fn=round_fn)
-    a = a.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
-    scale = jnp.maximum(amax, quant.SCALE_EPS) / quant.FP8_MAX
-    q_ref[...] = jnp.clip(a / scale, -quant.FP8_MAX, quant.FP8_MAX).astype(q_ref.dtype)
-    scale_ref[...] = scale
+    _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, interpret=interpret)
+
+
+def _group_quant_kernel(
+    # inputs
+    x_ref,
+    # outputs
+    q_ref,
+    scale_ref,
+    *,
+    interpret: bool,
+):
+    _store_quantized(x_ref[...].astype(jnp.float32), q_ref, scale_ref, interpret=interpret)
+
+
+def _quantize_call(
+    kernel, x, *, num_rows, num_groups, group_size, column_offset, config, name, interpret
+):
+    """pallas_call over (row blocks, groups): reads x's group g (and g + column_offset for a gated
+    kernel), writes q [M, num_groups * group_size] and scales [M, num_groups]."""
+    cfg = heuristic_config(num_rows) if config is None else config
+    padded_rows = -(-num_rows // cfg.block_m) * cfg.block_m
+    if padded_rows != num_rows:
+        x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
+    block = (cfg.block_m, group_size)
+    in_specs = [pl.BlockSpec(block, lambda i, g: (i, g))]
+    if column_offset:
+        in_specs.append(pl.BlockSpec(block, lambda i, g: (i, g + column_offset)))
+    with _triton.quiet_triton_deprecation():
+        q, scales = pl.pallas_call(
+            functools.partial(kernel, interpret=interpret),
+            out_shape=(
+                jax.ShapeDtypeStruct((padded_rows, num_groups * group_size), quant.FP8_DTYPE),
+                jax.ShapeDtypeStruct((padded_rows, num_groups), jnp.float32),
+            ),
+            grid=(padded_rows // cfg.block_m, num_groups),
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec(block, lambda i, g: (i, g)),
+                pl.BlockSpec((cfg.block_m, 1), lambda i, g: (i, g)),
+            ],
+            compiler_params=_triton.compiler_params(num_warps=cfg.num_warps, num_stages=1),
+            interpret=interpret,
+            name=f"{name}_bm{cfg.block_m}_w{cfg.num_warps}",
+        )(*[x] * len(in_specs))
+    return q[:num_rows], scales[:num_rows]
+
+
+def _check_float_rows(x: jax.Array, name: str, multiple: int) -> None:
+    if x.ndim != 2 or x.shape[1] % multiple:
+        raise ValueError(f"{name}.shape={x.shape} but [M, C] with C a multiple of {multiple}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"{name}.dtype={x.dtype} but bfloat16, float16 or float32 is needed")
+
+
+def group_quant(
+    x: jax.Array,
+    *,
+    group_size: int = 128,
+    config: ActQuantConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """vLLM's per-token-group FP8 quantization (`quant.per_token_group_quant_fp8`) as one kernel.
+
+    Args:
+      x: bf16/float16/float32[M, H] tokens; H a multiple of `group_size`.
+      group_size: columns per scale.
+      config: block sizes; None picks `heuristic_config(M)`.
+      interpret: run in Pallas interpret mode (CPU tests).
+
+    Returns:
+      (q float8_e4m3fn[M, H], scales float32[M, H // group_size]).
+    """
+    _check_float_rows(x, "x", group_size)
+    num_rows, hidden = x.shape
+    num_groups = hidden // group_size
+    if num_rows == 0:
+        return jnp.zeros((0, hidden), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
+    return _quantize_call(
+        _group_quant_kernel,
+        x,
+        num_rows=num_rows,
+        num_groups=num_groups,
+        group_size=group_size,
+        column_offset=0,
+        config=config,
+        name="group_quant",
+        interpret=interpret,
+    )
+
+
+def group_quant_reference(x: jax.Array, *, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
+    """Pure-JAX reference of `group_quant` (same signature minus tuning)."""
+    return quant.per_token_group_quant_fp8(x, group_size)
 
 
 def act_and_quant(
@@ -93,41 +195,23 @@ def act_and_quant(
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
     """
     check_activation(activation)
-    if h.ndim != 2 or h.shape[1] % (2 * group_size):
-        raise ValueError(f"h.shape={h.shape} but [M, 2I] with I a multiple of {group_size=}")
-    if h.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"h.dtype={h.dtype} but bfloat16, float16 or float32 is needed")
+    _check_float_rows(h, "h", 2 * group_size)
     num_rows, two_i = h.shape
     inter = two_i // 2
     num_groups = inter // group_size
     if num_rows == 0:
         return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
-    cfg = heuristic_config(num_rows) if config is None else config
-    padded_rows = -(-num_rows // cfg.block_m) * cfg.block_m
-    if padded_rows != num_rows:
-        h = jnp.pad(h, ((0, padded_rows - num_rows), (0, 0)))
-    block = (cfg.block_m, group_size)
-    with _triton.quiet_triton_deprecation():
-        q, scales = pl.pallas_call(
-            functools.partial(_act_quant_kernel, activation=activation, interpret=interpret),
-            out_shape=(
-                jax.ShapeDtypeStruct((padded_rows, inter), quant.FP8_DTYPE),
-                jax.ShapeDtypeStruct((padded_rows, num_groups), jnp.float32),
-            ),
-            grid=(padded_rows // cfg.block_m, num_groups),
-            in_specs=[
-                pl.BlockSpec(block, lambda i, g: (i, g)),
-                pl.BlockSpec(block, lambda i, g: (i, g + num_groups)),
-            ],
-            out_specs=[
-                pl.BlockSpec(block, lambda i, g: (i, g)),
-                pl.BlockSpec((cfg.block_m, 1), lambda i, g: (i, g)),
-            ],
-            compiler_params=_triton.compiler_params(num_warps=cfg.num_warps, num_stages=1),
-            interpret=interpret,
-            name=f"act_quant_{activation}_bm{cfg.block_m}_w{cfg.num_warps}",
-        )(h, h)
-    return q[:num_rows], scales[:num_rows]
+    return _quantize_call(
+        functools.partial(_act_quant_kernel, activation=activation),
+        h,
+        num_rows=num_rows,
+        num_groups=num_groups,
+        group_size=group_size,
+        column_offset=num_groups,
+        config=config,
+        name=f"act_quant_{activation}",
+        interpret=interpret,
+    )
 
 
 def act_and_quant_reference(

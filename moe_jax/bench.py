@@ -246,6 +246,7 @@ def stage_breakdown(layer: Layer, *, iters: int) -> list[dict]:
     """Median ms of each stage of moe_jax's FP8 forward, each jitted alone on real inputs."""
     from moe_jax import permute
     from moe_jax.experts import ExpertsCall, ExpertWeights, _activate, resolve_experts
+    from moe_jax.prepare_finalize import quantize_tokens
 
     num_tokens, topk = layer.topk_ids.shape
     weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
@@ -276,7 +277,7 @@ def stage_breakdown(layer: Layer, *, iters: int) -> list[dict]:
         )
 
     stages = [
-        ("quantize x", jax.jit(config.quantize_activations), lambda: (layer.x,)),
+        ("quantize x", jax.jit(lambda x: quantize_tokens(x, config)), lambda: (layer.x,)),
         (
             "permute",
             jax.jit(

@@ -24,7 +24,7 @@ SCALE_EPS = 1e-10
 DEFAULT_BLOCK_SHAPE = (128, 128)
 
 
-def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     """a / b correctly rounded, as vLLM divides (not a * (1 / b), which differs in the last bit).
 
     XLA's algebraic simplifier rewrites A / broadcast(B) into A * broadcast(1 / B); dividing by a
@@ -62,8 +62,8 @@ def per_token_group_quant_fp8(x: jax.Array, group_size: int = 128) -> tuple[jax.
         )
     groups = x.astype(jnp.float32).reshape(*x.shape[:-1], hidden // group_size, group_size)
     amax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
-    scales = _divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
-    q = jnp.clip(_divide(groups, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    scales = divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
+    q = jnp.clip(divide(groups, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return q.reshape(x.shape), scales[..., 0]
 
 
@@ -110,8 +110,8 @@ def per_block_quant_fp8(
     )
     tiles = padded.reshape(*lead, gn, bn, gk, bk)
     amax = jnp.max(jnp.abs(tiles), axis=(-3, -1), keepdims=True)
-    scales = _divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
-    q = jnp.clip(_divide(tiles, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    scales = divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
+    q = jnp.clip(divide(tiles, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     q = q.reshape(*lead, gn * bn, gk * bk)[..., :n, :k]
     return q, scales[..., 0, :, 0]
 

@@ -1,0 +1,115 @@
+"""The fast path end to end: Pallas quantize/permute/act-quant/gather around the grouped GEMMs.
+
+On the CPU every kernel runs in interpret mode with the XLA GEMM; on a GPU (`-m gpu`)
+`fused_moe(experts="auto")` takes the real kernels and the best GEMM backend there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_fused_moe import Problem, assert_close, expected, make_inputs
+
+from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe
+from moe_jax.experts import ExpertWeights, resolve_experts
+
+INTERPRET = ModularMoE(
+    NoEPPrepareFinalize(quant_impl="pallas_interpret"),
+    ContiguousExperts(
+        gemm="xla", permute_impl="pallas_interpret", act_quant_impl="pallas_interpret"
+    ),
+)
+CPU_PROBLEM = Problem("T9_H256_I128_E4_k3", 9, 256, 128, 4, 3)
+GPU_PROBLEM = Problem("T300_H512_I256_E8_k4", 300, 512, 256, 8, 4)
+
+
+def _call(layer, inputs, **kwargs):
+    arrays = [
+        jnp.asarray(a)
+        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    ]
+    scales = {
+        k: None if v is None else jnp.asarray(v)
+        for k, v in dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale).items()
+    }
+    return np.asarray(jax.jit(lambda *a: layer(*a, **scales, **kwargs))(*arrays))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bfloat16", "float32"])
+def test_interpret_pipeline_matches_oracle(dtype):
+    # ids in [-1, E + 2): duplicates, negative and out-of-range ids; weights include negatives.
+    inputs = make_inputs(
+        CPU_PROBLEM,
+        dtype,
+        np.random.default_rng(11),
+        id_low=-1,
+        id_high=CPU_PROBLEM.num_experts + 2,
+    )
+    assert_close(_call(INTERPRET, inputs), expected(inputs), dtype)
+
+
+def test_interpret_pipeline_equals_xla_pipeline_bitwise_on_fp8():
+    inputs = make_inputs(CPU_PROBLEM, "fp8", np.random.default_rng(12))
+    xla = ModularMoE(
+        NoEPPrepareFinalize(quant_impl="xla"),
+        ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla"),
+    )
+    np.testing.assert_array_equal(_call(INTERPRET, inputs), _call(xla, inputs))
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
+def test_auto_fast_path_on_gpu_matches_oracle(dtype):
+    inputs = make_inputs(
+        GPU_PROBLEM,
+        dtype,
+        np.random.default_rng(13),
+        id_low=-1,
+        id_high=GPU_PROBLEM.num_experts + 1,
+    )
+    weights = ExpertWeights(w1=jnp.asarray(inputs.w1), w2=jnp.asarray(inputs.w2))
+    chosen = resolve_experts(
+        "auto",
+        weights,
+        num_tokens=GPU_PROBLEM.num_tokens,
+        topk=GPU_PROBLEM.topk,
+        x_dtype=jnp.asarray(inputs.x).dtype,
+    )
+    gemm1, _ = chosen.select_gemms(
+        weights,
+        num_tokens=GPU_PROBLEM.num_tokens,
+        topk=GPU_PROBLEM.topk,
+        x_dtype=jnp.asarray(inputs.x).dtype,
+    )
+    if _has("deep_gemm"):
+        assert gemm1.name == "deep_gemm"
+    assert gemm1.name != "xla", "a GPU with torch or Mosaic must not fall back to the XLA loop"
+    out = _call(ModularMoE(NoEPPrepareFinalize(), chosen), inputs)
+    assert_close(out, expected(inputs), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["torch", "mosaic", "deep_gemm", "deep_gemm_masked"])
+def test_named_gpu_experts_match_oracle(experts):
+    dtype = "fp8" if experts.startswith("deep_gemm") else "bfloat16"
+    if experts.startswith("deep_gemm") and not _has("deep_gemm"):
+        pytest.skip("deep_gemm is not installed")
+    inputs = make_inputs(GPU_PROBLEM, dtype, np.random.default_rng(14))
+    arrays = [
+        jnp.asarray(a)
+        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    ]
+    scales = {
+        k: None if v is None else jnp.asarray(v)
+        for k, v in dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale).items()
+    }
+    out = jax.jit(lambda *a: fused_moe(*a, **scales, experts=experts))(*arrays)
+    assert_close(np.asarray(out), expected(inputs), dtype)
