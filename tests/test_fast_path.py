@@ -65,6 +65,20 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def assert_close_gpu(out, ref, dtype: str):
+    """GPU GEMMs are not the oracle's float64 GEMM: DeepGEMM's FP8 tensor-core accumulation and
+    Triton's float32 division flip bf16 intermediates and FP8 codes more often than on the CPU,
+    and each flip moves a row by a few percent. So FP8 rows are held to vLLM's own DeepGEMM test
+    tolerance (6e-2) and the whole output to its calc_diff bound (< 1e-3, about 4.5% relative)."""
+    if dtype != "fp8":
+        assert_close(out, ref, dtype)
+        return
+    out = np.asarray(out).astype(np.float64)
+    np.testing.assert_allclose(out, ref, rtol=6e-2, atol=6e-2)
+    calc_diff = 1 - 2 * np.sum(out * ref) / np.sum(out * out + ref * ref)
+    assert calc_diff < 1e-3, calc_diff
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
 def test_auto_fast_path_on_gpu_matches_oracle(dtype):
@@ -93,7 +107,7 @@ def test_auto_fast_path_on_gpu_matches_oracle(dtype):
         assert gemm1.name == "deep_gemm"
     assert gemm1.name != "xla", "a GPU with torch or Mosaic must not fall back to the XLA loop"
     out = _call(ModularMoE(NoEPPrepareFinalize(), chosen), inputs)
-    assert_close(out, expected(inputs), dtype)
+    assert_close_gpu(out, expected(inputs), dtype)
 
 
 @pytest.mark.gpu
@@ -112,4 +126,4 @@ def test_named_gpu_experts_match_oracle(experts):
         for k, v in dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale).items()
     }
     out = jax.jit(lambda *a: fused_moe(*a, **scales, experts=experts))(*arrays)
-    assert_close(np.asarray(out), expected(inputs), dtype)
+    assert_close_gpu(np.asarray(out), expected(inputs), dtype)
