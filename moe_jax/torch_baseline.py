@@ -74,7 +74,10 @@ def make_forward(x, w1q, w1s, w2q, w2s, topk_weights, topk_ids):
 
 
 def run(layer, *, iters: int):
-    """(out jax.Array, median ms) for a `moe_jax.bench.Layer`, or why it cannot run here."""
+    """(out, streamed ms, latency ms) for a `moe_jax.bench.Layer`, or why it cannot run here.
+
+    CUDA events: streamed = 10 forwards back to back per sample; latency = one forward.
+    """
     try:
         import deep_gemm  # noqa: F401
         import torch
@@ -104,13 +107,20 @@ def run(layer, *, iters: int):
     for _ in range(2):
         forward()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        forward()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+
+    def median_ms(calls: int, samples: int) -> float:
+        times = []
+        for _ in range(samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                forward()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        return statistics.median(times)
+
+    latency = median_ms(1, iters)
+    streamed = median_ms(10, max(3, iters // 2))
     out = forward().float().cpu().numpy()
-    return jnp.asarray(np.asarray(out)), statistics.median(times)
+    return jnp.asarray(np.asarray(out)), streamed, latency
