@@ -27,6 +27,10 @@ from moe_jax import quant
 from moe_jax.activation import act_and_mul, check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import _triton
 
+# Activations the compiled (Triton) kernel lowers. Exact GELU needs erf/erfc, which the Pallas
+# Triton lowering does not implement (jax 0.11.2); interpret mode runs every activation.
+COMPILED_ACTIVATIONS = ("silu",)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActQuantConfig:
@@ -186,7 +190,7 @@ def act_and_quant(
 
     Args:
       h: bf16/float16/float32[M, 2I] output of the first GEMM; I a multiple of `group_size`.
-      activation: "silu" or "gelu".
+      activation: "silu", or "gelu" in interpret mode only (see COMPILED_ACTIVATIONS).
       group_size: columns per scale (128, vLLM's block recipe).
       config: block sizes; None picks `heuristic_config(M)`.
       interpret: run in Pallas interpret mode (CPU tests).
@@ -195,6 +199,12 @@ def act_and_quant(
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
     """
     check_activation(activation)
+    if not interpret and activation not in COMPILED_ACTIVATIONS:
+        raise NotImplementedError(
+            f"activation {activation!r} has no compiled act_and_quant kernel (Pallas Triton cannot "
+            f"lower erf); use one of {COMPILED_ACTIVATIONS} or the XLA path "
+            "(moe_jax.activation.act_and_mul + moe_jax.quant.per_token_group_quant_fp8)"
+        )
     _check_float_rows(h, "h", 2 * group_size)
     num_rows, two_i = h.shape
     inter = two_i // 2

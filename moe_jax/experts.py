@@ -108,11 +108,16 @@ def _activate(
     """act(gate) * up, requantized for GEMM2 on the FP8 path.
 
     impl: as `moe_jax.permute`'s; "pallas"/"pallas_interpret" run the fused activation +
-    quantization kernel (`moe_jax.kernels.act_and_quant`) on the FP8 path.
+    quantization kernel (`moe_jax.kernels.act_and_quant`) on the FP8 path; activations its
+    compiled form lacks (gelu) take the XLA path on the GPU.
     """
     if call.quant_config is None:
         return act_and_mul(h, call.activation), None
     impl = permute.resolve_impl(impl)
+    if impl == "pallas":
+        from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
+
+        impl = impl if call.activation in COMPILED_ACTIVATIONS else "xla"
     if impl == "xla":
         return call.quant_config.quantize_activations(act_and_mul(h, call.activation))
     from moe_jax import kernels

@@ -41,7 +41,7 @@ def summarize(path: str) -> None:
     for row in rows:
         value = row.get("gpu__time_duration.sum", "")
         try:
-            us = float(value) / 1e3  # ns
+            us = float(value.replace(",", "")) / 1e3  # ns, with thousands separators
         except ValueError:
             continue  # the units row
         total += us

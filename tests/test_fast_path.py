@@ -66,17 +66,20 @@ def _has(module: str) -> bool:
 
 
 def assert_close_gpu(out, ref, dtype: str):
-    """GPU GEMMs are not the oracle's float64 GEMM: DeepGEMM's FP8 tensor-core accumulation and
-    Triton's float32 division flip bf16 intermediates and FP8 codes more often than on the CPU,
-    and each flip moves a row by a few percent. So FP8 rows are held to vLLM's own DeepGEMM test
-    tolerance (6e-2) and the whole output to its calc_diff bound (< 1e-3, about 4.5% relative)."""
+    """GPU GEMMs are not the oracle's float64 GEMM: DeepGEMM's FP8 tensor-core accumulation (and
+    TF32 in XLA's float32 dots) flip bf16 intermediates and then FP8 codes far more often than on
+    the CPU, each flip moving one output element by a few percent (H200, 2026-11-29: DeepGEMM
+    rel. error 1.0e-2, calc_diff 5e-5, max |diff| 2.6% of max |ref| on this problem). So FP8 is
+    held to whole-output bounds: vLLM's DeepGEMM test bound calc_diff < 1e-3, a relative
+    Frobenius error < 2e-2, and no element off by more than 5% of the largest |ref|."""
     if dtype != "fp8":
         assert_close(out, ref, dtype)
         return
     out = np.asarray(out).astype(np.float64)
-    np.testing.assert_allclose(out, ref, rtol=6e-2, atol=6e-2)
     calc_diff = 1 - 2 * np.sum(out * ref) / np.sum(out * out + ref * ref)
     assert calc_diff < 1e-3, calc_diff
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+    assert np.max(np.abs(out - ref)) <= 0.05 * np.max(np.abs(ref))
 
 
 @pytest.mark.gpu
