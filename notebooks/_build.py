@@ -417,8 +417,8 @@ def load_bench(path=None):
     except (OSError, json.JSONDecodeError) as why:
         print(f"cannot read {path}: {why}")
         return []
-    if isinstance(data, dict):           # tolerate {"results": [...]}
-        data = data.get("results", [])
+    if isinstance(data, dict):           # `python -m moe_jax bench --json` writes {"rows": [...]}
+        data = data.get("rows", data.get("results", []))
     records, skipped = [], 0
     for r in data if isinstance(data, list) else []:
         try:

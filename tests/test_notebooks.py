@@ -85,3 +85,10 @@ def test_performance_with_results(kernel_env, tmp_path):
     out = execute("03_performance.ipynb")
     assert f"2 measured points from {path}, 2 skipped" in out
     assert "shape B torch bf16" in out and "386.5 TFLOP/s" in out  # 618.5 GFLOP / 1.6 ms
+
+
+def test_performance_with_the_committed_h200_results(kernel_env):
+    # notebooks/bench_results.json is `python -m moe_jax bench --json` output from the H200.
+    kernel_env.delenv("MOE_JAX_BENCH_JSON", raising=False)
+    out = execute("03_performance.ipynb")
+    assert "10 measured points from bench_results.json" in out
