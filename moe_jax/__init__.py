@@ -9,12 +9,11 @@ kernels live in `moe_jax.kernels`; DLPack interop with torch-hosted DeepGEMM/Dee
 
 from moe_jax import layouts, quant
 from moe_jax.activation import act_and_mul
+from moe_jax.ep_api import ep_fused_moe, ep_moe
 from moe_jax.expert_parallel import (
     AllToAllPrepareFinalize,
     EPConfig,
     EPStats,
-    ep_fused_moe,
-    ep_moe,
     expert_map_for_rank,
 )
 from moe_jax.experts import (

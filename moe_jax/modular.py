@@ -128,9 +128,22 @@ class ModularMoE:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"chunk_size={self.chunk_size} must be positive or None")
 
-    def __call__(self, *args, **kwargs) -> jax.Array:
-        """Runs the layer; arguments as `forward` (and `moe_jax.fused_moe`). Returns [T, H]."""
-        return self.forward(*args, **kwargs)[0]
+    def __call__(
+        self,
+        hidden_states: jax.Array,
+        w1: jax.Array,
+        w2: jax.Array,
+        topk_weights: jax.Array,
+        topk_ids: jax.Array,
+        **kwargs,
+    ) -> jax.Array:
+        """Runs the layer; keyword arguments as `forward` (and `moe_jax.fused_moe`).
+
+        Returns:
+          [T, H] in hidden_states.dtype. `forward` also returns the prepared tokens (with an
+          expert-parallel prepare's dispatch statistics).
+        """
+        return self.forward(hidden_states, w1, w2, topk_weights, topk_ids, **kwargs)[0]
 
     def forward(
         self,

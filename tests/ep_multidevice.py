@@ -91,7 +91,7 @@ def run_case(case: Case, mesh):
     import jax
 
     from moe_jax import MaskedExperts
-    from moe_jax.expert_parallel import ep_fused_moe
+    from moe_jax.ep_api import ep_fused_moe
 
     x, w1, w2, weights, ids, kwargs = layer_args(case, make_inputs(case))
     experts, chunk = None, None
@@ -119,7 +119,7 @@ def main(path: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from moe_jax.expert_parallel import ep_fused_moe
+    from moe_jax.ep_api import ep_fused_moe
 
     if jax.device_count() != NUM_RANKS:
         raise SystemExit(

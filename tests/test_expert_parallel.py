@@ -18,12 +18,8 @@ import numpy as np
 import pytest
 
 from moe_jax import fused_moe
-from moe_jax.expert_parallel import (
-    EPConfig,
-    ep_fused_moe,
-    expert_map_for_rank,
-    send_slots,
-)
+from moe_jax.ep_api import ep_fused_moe
+from moe_jax.expert_parallel import EPConfig, expert_map_for_rank, send_slots
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
