@@ -1,8 +1,8 @@
 """The pure-JAX side of the DeepEP adapters: limits, id rewrites, layout views, masked experts.
 
 Everything here runs (and is tested) on the CPU; `moe_jax.interop.deep_ep` moves the tensors
-through DeepEP. Contracts (DeepEP V1 API, ../shared/docs/deepgemm-deepep.md §4;
-vLLM's wrappers, vllm-moe-semantics.md §8):
+through DeepEP. Contracts (DeepEP V1's `Buffer` API; vLLM's DeepEP prepare/finalize wrappers,
+`deepep_ht_prepare_finalize.py` and `deepep_ll_prepare_finalize.py`):
 
 High-throughput (HT, "normal") dispatch delivers each token with >= 1 expert on this rank once, with
 `recv_topk_idx` holding *local* ids or -1 (another rank's expert; weight zeroed). vLLM rewrites the

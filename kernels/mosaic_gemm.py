@@ -2,8 +2,9 @@
 
 The bf16 fast path when DeepGEMM and torch are both unavailable. It wraps
 `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`, which reached 449 TFLOPS on an H200
-for 64 groups, M=32768, K=2048, N=1536 with the default config below (../shared/docs, measured
-2026-11), against 12 for `jax.lax.ragged_dot`. The contiguous layout's padded segments are its
+for 64 groups, M=32768, K=2048, N=1536 with the default config below, against 12 for
+`jax.lax.ragged_dot` (measured while designing moe_jax, 2026-11; in the whole layer see
+BENCHMARKS.md). The contiguous layout's padded segments are its
 groups; padding rows are computed (zeros in, zeros out) and rows past the last segment are left
 unspecified, as the GroupedGemm contract allows.
 """

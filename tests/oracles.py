@@ -1,6 +1,6 @@
 """NumPy oracles for moe_jax tests: the dumbest loops, float64 unless a recipe says otherwise.
 
-Each oracle restates vLLM's semantics (`shared/docs/vllm-moe-semantics.md`) without calling moe_jax.
+Each oracle restates vLLM's fused-MoE semantics (0.10.0) without calling moe_jax.
 Where vLLM rounds (bf16 GEMM outputs, FP8 quantization), the oracle rounds at the same points with
 `ml_dtypes`, so tests can hold the library to tight tolerances.
 """

@@ -1,8 +1,8 @@
 """CPU tests of the DeepEP adapters' pure-JAX side (`moe_jax.interop.deep_ep_layouts`).
 
 DeepEP itself does not run here. The receive buffers below are built by plain NumPy loops from
-DeepEP's documented contracts (../shared/docs/deepgemm-deepep.md §4.3): HT delivers each token with
-a local expert once, with local ids or -1 and zeroed weights, padded to num_worst_tokens rows;
+DeepEP's documented contracts (V1 `Buffer.dispatch` / `low_latency_dispatch`): HT delivers each
+token with a local expert once, with local ids or -1 and zeroed weights, padded to num_worst_tokens rows;
 LL delivers one row per (token, local expert) in [E_local, R * T_max, H] with stale rows after the
 count. Summing every rank's result as DeepEP's combine does must give single-device `fused_moe`.
 """
