@@ -2,9 +2,9 @@
 
 DeepEP itself does not run here. The receive buffers below are built by plain NumPy loops from
 DeepEP's documented contracts (V1 `Buffer.dispatch` / `low_latency_dispatch`): HT delivers each
-token with a local expert once, with local ids or -1 and zeroed weights, padded to num_worst_tokens rows;
-LL delivers one row per (token, local expert) in [E_local, R * T_max, H] with stale rows after the
-count. Summing every rank's result as DeepEP's combine does must give single-device `fused_moe`.
+token with a local expert once, with local ids or -1 and zeroed weights, padded to num_worst_tokens
+rows; LL delivers one row per (token, local expert) in [E_local, R * T_max, H] with stale rows after
+the count. Summing every rank's result as DeepEP's combine does must give single-device `fused_moe`.
 """
 
 from __future__ import annotations
