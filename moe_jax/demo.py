@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ from moe_jax import quant
 from moe_jax.fused_moe import fused_moe
 from moe_jax.reference import moe_reference
 from moe_jax.routing import grouped_topk
+from moe_jax.timing import rel_error, time_jax
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,22 +41,6 @@ def make_layer(shape: DemoShape, seed: int = 0) -> dict[str, jax.Array]:
         w2=jax.random.normal(keys[4], (s.num_experts, s.hidden, s.intermediate))
         / s.intermediate**0.5,
     )
-
-
-def median_ms(fn, *args, repeats: int = 10) -> float:
-    """Median wall time of `fn(*args)` in ms after one warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def rel_error(out: jax.Array, ref: jax.Array) -> float:
-    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
 def run_demo(shape: DemoShape = DemoShape(), *, experts: str = "auto") -> list[dict]:
@@ -101,7 +84,7 @@ def run_demo(shape: DemoShape = DemoShape(), *, experts: str = "auto") -> list[d
                 variant=name,
                 backend=jax.default_backend(),
                 experts=experts,
-                ms=median_ms(layer, *args),
+                ms=time_jax(layer, args, iters=10)[0],
                 rel_err=rel_error(out, ref),
             )
         )
