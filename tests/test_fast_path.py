@@ -6,6 +6,7 @@ On the CPU every kernel runs in interpret mode with the XLA GEMM; on a GPU (`-m 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import jax
@@ -120,13 +121,5 @@ def test_named_gpu_experts_match_oracle(experts):
     if experts.startswith("deep_gemm") and not _has("deep_gemm"):
         pytest.skip("deep_gemm is not installed")
     inputs = make_inputs(GPU_PROBLEM, dtype, np.random.default_rng(14))
-    arrays = [
-        jnp.asarray(a)
-        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
-    ]
-    scales = {
-        k: None if v is None else jnp.asarray(v)
-        for k, v in dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale).items()
-    }
-    out = jax.jit(lambda *a: fused_moe(*a, **scales, experts=experts))(*arrays)
-    assert_close_gpu(np.asarray(out), expected(inputs), dtype)
+    out = _call(functools.partial(fused_moe, experts=experts), inputs)
+    assert_close_gpu(out, expected(inputs), dtype)
