@@ -1,4 +1,4 @@
-"""Command line: `python -m moe_jax demo | bench` (also `moe-jax ...` once installed)."""
+"""Command line: `python -m moe_jax demo | bench | info` (also `moe-jax ...` once installed)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--plot", help="also write a PNG bar chart of the times")
+    commands.add_parser(
+        "info", help="versions, devices, and which GEMM backends run here (or why not)"
+    )
     args = parser.parse_args(argv)
+
+    if args.command == "info":
+        from moe_jax.info import report
+
+        print(report())
+        return 0
 
     if args.command == "bench":
         from moe_jax import bench as bench_module

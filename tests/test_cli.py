@@ -48,3 +48,11 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
 def test_bench_rejects_unknown_shape():
     with pytest.raises(SystemExit, match="unknown shape"):
         main(["bench", "--shapes", "Z"])
+
+
+def test_info_reports_every_backend(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("deep_gemm", "torch", "mosaic", "xla"):
+        assert out.count(f"    {name} ") == 2  # one line per dtype
+    assert "no: DeepGEMM runs on NVIDIA GPUs only" in out or "deep_gemm  runs" in out
