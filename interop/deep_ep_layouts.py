@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, layouts
-from moe_jax.activation import act_and_mul
-from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax.experts import ExpertsCall, ExpertWeights, masked_mlp
 from moe_jax.prepare_finalize import PreparedTokens
 
 HT_INTRANODE_RANKS = (2, 4, 8)  # DeepEP `SWITCH_RANKS` (csrc/kernels/launch.cuh)
@@ -176,45 +175,7 @@ def masked_experts_forward(
     rows = ll_clear_stale_rows(rows, recv_count)
     if row_scales is not None:
         row_scales = ll_clear_stale_rows(row_scales, recv_count)
-    max_m = rows.shape[1]
-    kw = dict(
-        layout="masked",
-        num_rows=max_m,
-        num_groups=weights.num_experts,
-        w_dtype=jnp.dtype(weights.w1.dtype).name,
-        x_dtype=jnp.dtype(rows.dtype).name,
-        alignment=1,
-        platform=jax.default_backend(),
-    )
-    w1, w2 = weights.w1, weights.w2
-    gemm1 = grouped_gemm.select_gemm(
-        gemm, grouped_gemm.GemmProblem(n=w1.shape[1], k=w1.shape[2], **kw)
-    )
-    gemm2 = grouped_gemm.select_gemm(
-        gemm, grouped_gemm.GemmProblem(n=w2.shape[1], k=w2.shape[2], **kw)
-    )
-    mid = jnp.bfloat16 if call.quant_config is not None else rows.dtype
-    hint = max_m if expected_m is None else expected_m
-    h = gemm1.masked(
-        rows,
-        w1,
-        recv_count,
-        x_scales=row_scales,
-        w_scales=weights.w1_scale,
-        expected_m=hint,
-        out_dtype=mid,
-    )
-    a = act_and_mul(h, call.activation)
-    a_scales = None
-    if call.quant_config is not None:
-        a, a_scales = call.quant_config.quantize_activations(a)
-    y = gemm2.masked(
-        a,
-        w2,
-        recv_count,
-        x_scales=a_scales,
-        w_scales=weights.w2_scale,
-        expected_m=hint,
-        out_dtype=mid,
+    y = masked_mlp(
+        rows, row_scales, recv_count, weights, gemm=gemm, call=call, expected_m=expected_m
     )
     return ll_clear_stale_rows(y, recv_count).astype(call.out_dtype)

@@ -33,7 +33,6 @@ from moe_jax.prepare_finalize import (
     NoEPPrepareFinalize,
     PreparedTokens,
     PrepareFinalize,
-    SlotWeightAndReduce,
     WeightAndReduce,
 )
 from moe_jax.reference import moe_reference
@@ -58,7 +57,6 @@ __all__ = [
     "NoEPPrepareFinalize",
     "PrepareFinalize",
     "PreparedTokens",
-    "SlotWeightAndReduce",
     "WeightAndReduce",
     "act_and_mul",
     "available_gemms",

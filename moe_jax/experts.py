@@ -76,25 +76,32 @@ class Experts(abc.ABC):
     def weight_and_reduce(self) -> WeightAndReduce:
         return AlreadyReduced()
 
-    def gemm_problem(self, weights: ExpertWeights, *, num_rows: int, x_dtype) -> tuple:
-        """The two GEMM problems (GEMM1, GEMM2) this object runs for `num_rows` rows."""
-        layout = self.layout_name
-        w1, w2 = weights.w1, weights.w2
-        common = dict(
-            layout=layout,
-            num_rows=num_rows,
-            num_groups=w1.shape[0],
-            w_dtype=jnp.dtype(w1.dtype).name,
-            x_dtype=jnp.dtype(x_dtype).name,
-            alignment=getattr(self, "alignment", 1),
-            platform=jax.default_backend(),
-        )
-        return (
-            grouped_gemm.GemmProblem(n=w1.shape[1], k=w1.shape[2], **common),
-            grouped_gemm.GemmProblem(n=w2.shape[1], k=w2.shape[2], **common),
-        )
 
-    layout_name: str = ""
+def select_gemms(
+    gemm: str | grouped_gemm.GroupedGemm | None,
+    weights: ExpertWeights,
+    *,
+    layout: str,
+    num_rows: int,
+    x_dtype,
+    alignment: int = 1,
+) -> tuple[grouped_gemm.GroupedGemm, grouped_gemm.GroupedGemm]:
+    """The backends that run GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2) for `gemm`."""
+    common = dict(
+        layout=layout,
+        num_rows=num_rows,
+        num_groups=weights.num_experts,
+        w_dtype=jnp.dtype(weights.w1.dtype).name,
+        x_dtype=jnp.dtype(x_dtype).name,
+        alignment=alignment,
+        platform=jax.default_backend(),
+    )
+    return tuple(
+        grouped_gemm.select_gemm(
+            gemm, grouped_gemm.GemmProblem(n=w.shape[1], k=w.shape[2], **common)
+        )
+        for w in (weights.w1, weights.w2)
+    )
 
 
 def _intermediate_dtype(prepared: PreparedTokens, call: ExpertsCall):
@@ -147,14 +154,19 @@ class ContiguousExperts(Experts):
     permute_impl: str | None = None
     act_quant_impl: str | None = None
     alignment: int = layouts.DEFAULT_ALIGNMENT
-    layout_name = "contiguous"
 
     def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
         num_rows = layouts.contiguous_num_rows(
             num_tokens, topk, weights.num_experts, self.alignment
         )
-        p1, p2 = self.gemm_problem(weights, num_rows=num_rows, x_dtype=x_dtype)
-        return grouped_gemm.select_gemm(self.gemm, p1), grouped_gemm.select_gemm(self.gemm, p2)
+        return select_gemms(
+            self.gemm,
+            weights,
+            layout="contiguous",
+            num_rows=num_rows,
+            x_dtype=x_dtype,
+            alignment=self.alignment,
+        )
 
     def apply(self, prepared, weights, *, expert_map, call):
         num_tokens, topk = prepared.topk_ids.shape
@@ -197,6 +209,54 @@ class ContiguousExperts(Experts):
         )
 
 
+def masked_mlp(
+    rows: jax.Array,
+    row_scales: jax.Array | None,
+    num_rows_per_expert: jax.Array,
+    weights: ExpertWeights,
+    *,
+    gemm: str | grouped_gemm.GroupedGemm | None,
+    call: ExpertsCall,
+    expected_m: int | None = None,
+) -> jax.Array:
+    """The expert MLP on masked blocks: GEMM1 -> act(gate) * up (-> requantize) -> GEMM2.
+
+    Args:
+      rows: [E, max_m, H] activations (FP8 with `row_scales` float32[E, max_m, H // 128] on the
+        FP8 path); rows at or past `num_rows_per_expert[e]` are ignored.
+      num_rows_per_expert: int32[E] valid rows (DeepGEMM's masked_m).
+      gemm: GEMM backend name or object.
+      expected_m: scheduling hint for tuned backends; None means max_m.
+
+    Returns:
+      [E, max_m, H] in the intermediate dtype (bf16 on the FP8 path); rows past the counts are
+      unspecified.
+    """
+    max_m = rows.shape[1]
+    gemm1, gemm2 = select_gemms(gemm, weights, layout="masked", num_rows=max_m, x_dtype=rows.dtype)
+    mid_dtype = jnp.bfloat16 if call.quant_config is not None else rows.dtype
+    expected_m = max_m if expected_m is None else expected_m
+    h = gemm1.masked(
+        rows,
+        weights.w1,
+        num_rows_per_expert,
+        x_scales=row_scales,
+        w_scales=weights.w1_scale,
+        expected_m=expected_m,
+        out_dtype=mid_dtype,
+    )
+    a, a_scales = _activate(h, call)
+    return gemm2.masked(
+        a,
+        weights.w2,
+        num_rows_per_expert,
+        x_scales=a_scales,
+        w_scales=weights.w2_scale,
+        expected_m=expected_m,
+        out_dtype=mid_dtype,
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskedExperts(Experts):
     """Experts on the masked layout `[E, max_m, H]`.
@@ -210,15 +270,10 @@ class MaskedExperts(Experts):
 
     gemm: str | grouped_gemm.GroupedGemm | None = "xla"
     max_m: int | None = None
-    layout_name = "masked"
 
     def apply(self, prepared, weights, *, expert_map, call):
         num_tokens, topk = prepared.topk_ids.shape
         max_m = num_tokens * topk if self.max_m is None else self.max_m
-        p1, p2 = self.gemm_problem(weights, num_rows=max_m, x_dtype=prepared.x.dtype)
-        gemm1 = grouped_gemm.select_gemm(self.gemm, p1)
-        gemm2 = grouped_gemm.select_gemm(self.gemm, p2)
-        mid_dtype = _intermediate_dtype(prepared, call)
         lay = layouts.masked_layout_reference(
             prepared.x,
             prepared.topk_ids,
@@ -231,24 +286,14 @@ class MaskedExperts(Experts):
         expected_m = max(
             16, min(max_m, layouts.round_up(-(-num_tokens * topk // weights.num_experts), 16))
         )
-        h = gemm1.masked(
+        y = masked_mlp(
             lay.rows,
-            weights.w1,
+            lay.row_scales,
             lay.num_tokens_per_expert,
-            x_scales=lay.row_scales,
-            w_scales=weights.w1_scale,
+            weights,
+            gemm=self.gemm,
+            call=call,
             expected_m=expected_m,
-            out_dtype=mid_dtype,
-        )
-        a, a_scales = _activate(h, call)
-        y = gemm2.masked(
-            a,
-            weights.w2,
-            lay.num_tokens_per_expert,
-            x_scales=a_scales,
-            w_scales=weights.w2_scale,
-            expected_m=expected_m,
-            out_dtype=mid_dtype,
         )
         flat = y.reshape(-1, y.shape[-1])
         return layouts.unpermute_reference(

@@ -51,15 +51,6 @@ class AlreadyReduced(WeightAndReduce):
         return expert_output.astype(out_dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotWeightAndReduce(WeightAndReduce):
-    """expert_output [T, k, H] -> sum_k fp32(y) * w in slot order (vLLM's Contiguous reduce)."""
-
-    def apply(self, expert_output, topk_weights, *, out_dtype):
-        weighted = expert_output.astype(jnp.float32) * topk_weights.astype(jnp.float32)[..., None]
-        return jnp.sum(weighted, axis=1).astype(out_dtype)
-
-
 class PrepareFinalize(abc.ABC):
     """Before and after the experts: `NoEPPrepareFinalize`; expert-parallel variants dispatch."""
 
