@@ -55,7 +55,8 @@ class MosaicGemm(grouped_gemm.GroupedGemm):
             return f"jax's Mosaic GPU ragged_dot is not importable: {error}"
         return None
 
-    def _ragged_dot(self, x, w, group_sizes, out_dtype):
+    def ragged_dot(self, x, w, group_sizes, out_dtype):
+        """x [M, K] @ w[g].T per group of consecutive rows (`group_sizes` int[G]) -> [M, N]."""
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         cfg = self.config
@@ -79,7 +80,7 @@ class MosaicGemm(grouped_gemm.GroupedGemm):
         if x.shape[0] == 0:
             return jnp.zeros((0, w.shape[1]), out_dtype)
         sizes = jnp.diff(expert_ends, prepend=0)
-        return self._ragged_dot(x, w, sizes, out_dtype)
+        return self.ragged_dot(x, w, sizes, out_dtype)
 
     def masked(
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
@@ -87,7 +88,7 @@ class MosaicGemm(grouped_gemm.GroupedGemm):
         del num_rows_per_expert, x_scales, w_scales, expected_m  # rows past the count: unspecified
         num_experts, max_m, k = x.shape
         sizes = jnp.full((num_experts,), max_m, jnp.int32)
-        y = self._ragged_dot(x.reshape(num_experts * max_m, k), w, sizes, out_dtype)
+        y = self.ragged_dot(x.reshape(num_experts * max_m, k), w, sizes, out_dtype)
         return y.reshape(num_experts, max_m, -1)
 
 

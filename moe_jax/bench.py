@@ -148,7 +148,7 @@ def _lax_ragged(rows, w, sizes):
 def _mosaic_ragged(rows, w, sizes):
     from moe_jax.kernels.mosaic_gemm import MosaicGemm
 
-    return MosaicGemm()._ragged_dot(rows, w, sizes, rows.dtype)
+    return MosaicGemm().ragged_dot(rows, w, sizes, rows.dtype)
 
 
 def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
