@@ -1,4 +1,4 @@
-"""Hugging Face MoE checkpoints -> `moe_jax.flax.MoE` params.
+"""Hugging Face MoE checkpoints -> `moe_jax.flax_layer.MoE` params.
 
 Per-expert HF linears (weight [out, in], already the NT layout vLLM uses) are stacked into
 w1 = concat(gate, up) [E, 2I, H] and w2 = down [E, H, I]; the router `gate.weight` [E, H] becomes
@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax import quant
-from moe_jax.flax import MoE, RouterConfig
+from moe_jax.flax_layer import MoE, RouterConfig
 
 # naming -> (router key, expert key format, (gate, up, down) projection names)
 _NAMINGS = {

@@ -26,7 +26,7 @@ def code(text: str):
 
 TOUR = [
     md("""
-# A tour of `moe_jax.flax.MoE`
+# A tour of `moe_jax.flax_layer.MoE`
 
 Build a small DeepSeek-style MoE layer, route tokens, look at the expert load, run every experts
 backend that works on this machine, and check them against `moe_jax.moe_reference` (a float32
@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import moe_jax
-from moe_jax.flax import MoE, RouterConfig
+from moe_jax.flax_layer import MoE, RouterConfig
 
 print(jax.__version__, jax.default_backend())
 """),
@@ -153,7 +153,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 
-from moe_jax.flax import MoE, RouterConfig
+from moe_jax.flax_layer import MoE, RouterConfig
 from moe_jax.routing import fused_topk, grouped_topk
 
 H, I, E, K, G = 64, 32, 64, 6, 8  # noqa: E741 (8 groups of 8 experts)

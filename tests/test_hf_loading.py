@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from moe_jax import quant
-from moe_jax.flax import MoE
+from moe_jax.flax_layer import MoE
 from moe_jax.hf_loading import (
     detect_hf_naming,
     hf_moe_params,
