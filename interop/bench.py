@@ -134,7 +134,7 @@ def _grouped_mm_case(torch, shape, *, iters, reps):
     ends = jnp.cumsum(jnp.full((groups,), rows, jnp.int32))
     jax.block_until_ready((x, w, ends))
     tx, tw, tends = (torch.from_dlpack(a) for a in (x, w, ends))
-    backend = grouped_gemm.get_gemm("torch")
+    backend = grouped_gemm.GEMMS.get("torch")
     f = jax.jit(
         lambda x, w, e, en: backend.contiguous(x, w, e, en, alignment=1, out_dtype=jnp.bfloat16)
     )

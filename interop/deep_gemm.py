@@ -161,12 +161,10 @@ class DeepGemm(grouped_gemm.GroupedGemm):
             )
         if problem.n % BLOCK or problem.k % BLOCK:
             return f"{problem.n=} and {problem.k=} must be multiples of {BLOCK}"
-        if problem.layout == "contiguous" and problem.alignment != BLOCK:
+        if problem.layout == "contiguous" and problem.alignment not in (None, BLOCK):
             return (
                 f"{problem.alignment=} but DeepGEMM's contiguous layout needs {BLOCK}-row segments"
             )
-        if problem.layout == "contiguous" and problem.num_rows % BLOCK:
-            return f"{problem.num_rows=} is not a multiple of {BLOCK}"
         return None
 
     def contiguous(
@@ -276,4 +274,4 @@ def _check_operands(x, w, x_scales, w_scales, *, grouped_rows: bool) -> None:
         raise TypeError(f"{w.dtype=}: DeepGEMM takes float8_e4m3fn or bfloat16 weights")
 
 
-grouped_gemm.register_gemm(DeepGemm())
+grouped_gemm.GEMMS.register(DeepGemm())

@@ -114,4 +114,4 @@ def _compute_operands(x, w, x_scales, w_scales) -> tuple[jax.Array, jax.Array]:
     return a.astype(compute), b.astype(compute)
 
 
-grouped_gemm.register_gemm(TorchGemm())
+grouped_gemm.GEMMS.register(TorchGemm())

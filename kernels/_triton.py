@@ -10,9 +10,14 @@ hides that one warning while a kernel is traced. Remove it once Mosaic GPU gathe
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from jax.experimental.pallas import triton as plt
+
+from moe_jax.registry import FunctionImpl, OpProblem, Registry
 
 _TRITON_DEPRECATION = ".*Pallas Triton backend is deprecated.*"
 
@@ -51,3 +56,29 @@ def hidden_block(hidden: int, cap: int, floor: int = 64) -> int:
     if divisor >= min(floor, next_power_of_2(hidden)):
         return divisor
     return min(cap, next_power_of_2(hidden))
+
+
+def register_pallas(
+    registry: Registry,
+    kernel: Callable[..., Any],
+    *,
+    compiled_refusal: Callable[[OpProblem], str | None] | None = None,
+) -> None:
+    """Registers `kernel` (a wrapper taking `interpret=`) as "pallas" and "pallas_interpret".
+
+    "pallas" is the compiled kernel: it refuses platforms other than NVIDIA GPUs, and whatever
+    `compiled_refusal` refuses. "pallas_interpret" runs the same kernel body in Pallas interpret
+    mode on any platform (the CPU tests' vehicle; "auto" never picks it).
+    """
+
+    def refuse_compiled(problem: OpProblem) -> str | None:
+        if problem.platform != "gpu":
+            return (
+                f"the compiled Pallas Triton kernel needs an NVIDIA GPU, not {problem.platform!r}"
+            )
+        return None if compiled_refusal is None else compiled_refusal(problem)
+
+    registry.register(
+        FunctionImpl("pallas", functools.partial(kernel, interpret=False), refuse_compiled)
+    )
+    registry.register(FunctionImpl("pallas_interpret", functools.partial(kernel, interpret=True)))

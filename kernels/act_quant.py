@@ -24,8 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from moe_jax import quant
-from moe_jax.activation import act_and_mul, check_activation, gated_activation, round_to_dtype
+from moe_jax.act_quant import ACT_QUANTS, GROUP_QUANTS
+from moe_jax.activation import check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import _triton
+from moe_jax.registry import OpProblem
 
 # Activations the compiled (Triton) kernel lowers. Exact GELU needs erf/erfc, which the Pallas
 # Triton lowering does not implement (jax 0.11.2); interpret mode runs every activation.
@@ -173,11 +175,6 @@ def group_quant(
     )
 
 
-def group_quant_reference(x: jax.Array, *, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
-    """Pure-JAX reference of `group_quant` (same signature minus tuning)."""
-    return quant.per_token_group_quant_fp8(x, group_size)
-
-
 def act_and_quant(
     h: jax.Array,
     *,
@@ -224,8 +221,14 @@ def act_and_quant(
     )
 
 
-def act_and_quant_reference(
-    h: jax.Array, *, activation: str = "silu", group_size: int = 128
-) -> tuple[jax.Array, jax.Array]:
-    """Pure-JAX reference of `act_and_quant` (same signature minus tuning)."""
-    return quant.per_token_group_quant_fp8(act_and_mul(h, activation), group_size)
+def _refuse_compiled_activation(problem: OpProblem) -> str | None:
+    if problem.activation not in COMPILED_ACTIVATIONS:
+        return (
+            f"the compiled kernel lowers {COMPILED_ACTIVATIONS} only, not {problem.activation!r} "
+            "(Pallas Triton cannot lower erf)"
+        )
+    return None
+
+
+_triton.register_pallas(GROUP_QUANTS, group_quant)
+_triton.register_pallas(ACT_QUANTS, act_and_quant, compiled_refusal=_refuse_compiled_activation)

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax.kernels import _triton
+from moe_jax.permute import COUNTS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,3 +157,6 @@ def count_expert_num_tokens(
             ),
             name=f"count_{config.block_p=}_{config.block_e=}",
         )(*operands)
+
+
+_triton.register_pallas(COUNTS, count_expert_num_tokens)

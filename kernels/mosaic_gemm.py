@@ -92,4 +92,4 @@ class MosaicGemm(grouped_gemm.GroupedGemm):
         return y.reshape(num_experts, max_m, -1)
 
 
-grouped_gemm.register_gemm(MosaicGemm())
+grouped_gemm.GEMMS.register(MosaicGemm())

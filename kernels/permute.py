@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plt
 
 from moe_jax import layouts
 from moe_jax.kernels import _triton
+from moe_jax.permute import PERMUTES
 
 _ROW_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 # Copies move bits: each row dtype travels as the unsigned integer of its width.
@@ -337,3 +338,6 @@ def permute(
         num_tokens_per_expert=counts,
         expert_ends=ends,
     )
+
+
+_triton.register_pallas(PERMUTES, permute)

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax.kernels import _triton
+from moe_jax.permute import UNPERMUTES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,3 +204,6 @@ def unpermute(
             name=f"unpermute_{config.block_t=}_{block_h=}_{config.num_warps=}"
             f"_{config.has_eviction_hints=}",
         )(*operands, y)
+
+
+_triton.register_pallas(UNPERMUTES, unpermute)

@@ -7,7 +7,8 @@ kernels live in `moe_jax.kernels`; DLPack interop with torch-hosted DeepGEMM/Dee
 `moe_jax.interop`.
 """
 
-from moe_jax import layouts, quant
+from moe_jax import layouts, permute, quant, registry
+from moe_jax.act_quant import act_and_quant, group_quant
 from moe_jax.activation import act_and_mul
 from moe_jax.ep_api import ep_fused_moe, ep_moe
 from moe_jax.expert_parallel import (
@@ -17,17 +18,17 @@ from moe_jax.expert_parallel import (
     expert_map_for_rank,
 )
 from moe_jax.experts import (
-    EXPERTS_NAMES,
     ContiguousExperts,
     Experts,
     ExpertsCall,
     ExpertWeights,
     MaskedExperts,
+    experts_names,
 )
 from moe_jax.fused_moe import fused_moe
-from moe_jax.grouped_gemm import GemmProblem, GroupedGemm, available_gemms, register_gemm
-from moe_jax.layouts import count_expert_num_tokens
+from moe_jax.grouped_gemm import GEMMS, GemmProblem, GroupedGemm
 from moe_jax.modular import ModularMoE
+from moe_jax.permute import count_expert_num_tokens
 from moe_jax.prepare_finalize import (
     AlreadyReduced,
     NoEPPrepareFinalize,
@@ -41,7 +42,7 @@ from moe_jax.routing import fused_topk, grouped_topk
 __version__ = "0.1.0"
 
 __all__ = [
-    "EXPERTS_NAMES",
+    "GEMMS",
     "AllToAllPrepareFinalize",
     "AlreadyReduced",
     "ContiguousExperts",
@@ -59,16 +60,19 @@ __all__ = [
     "PreparedTokens",
     "WeightAndReduce",
     "act_and_mul",
-    "available_gemms",
+    "act_and_quant",
     "count_expert_num_tokens",
     "ep_fused_moe",
     "ep_moe",
     "expert_map_for_rank",
+    "experts_names",
     "fused_moe",
     "fused_topk",
+    "group_quant",
     "grouped_topk",
     "layouts",
     "moe_reference",
+    "permute",
     "quant",
-    "register_gemm",
+    "registry",
 ]

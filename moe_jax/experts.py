@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm, layouts, permute, quant
+from moe_jax import act_quant, grouped_gemm, layouts, permute, quant
 from moe_jax._pytree import pytree_dataclass
 from moe_jax.activation import act_and_mul
 from moe_jax.prepare_finalize import AlreadyReduced, PreparedTokens, WeightAndReduce
@@ -77,136 +77,164 @@ class Experts(abc.ABC):
         return AlreadyReduced()
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmPair:
+    """The backends of the two GEMMs and the contiguous layout's segment multiple."""
+
+    gemm1: grouped_gemm.GroupedGemm
+    gemm2: grouped_gemm.GroupedGemm
+    alignment: int | None
+
+
 def select_gemms(
-    gemm: str | grouped_gemm.GroupedGemm | None,
+    gemm: str | grouped_gemm.GroupedGemm,
     weights: ExpertWeights,
     *,
     layout: str,
-    num_rows: int,
+    num_pairs: int,
     x_dtype,
-    alignment: int = 1,
-) -> tuple[grouped_gemm.GroupedGemm, grouped_gemm.GroupedGemm]:
-    """The backends that run GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2) for `gemm`."""
-    common = dict(
-        layout=layout,
-        num_rows=num_rows,
-        num_groups=weights.num_experts,
-        w_dtype=jnp.dtype(weights.w1.dtype).name,
-        x_dtype=jnp.dtype(x_dtype).name,
-        alignment=alignment,
-        platform=jax.default_backend(),
-    )
-    return tuple(
-        grouped_gemm.select_gemm(
-            gemm, grouped_gemm.GemmProblem(n=w.shape[1], k=w.shape[2], **common)
+    alignment: int | None = None,
+    max_m: int | None = None,
+) -> GemmPair:
+    """The backends for GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2), through the registry.
+
+    On the contiguous layout with `alignment=None`, GEMM1's backend sets the segment multiple and
+    GEMM2 must accept it too ("auto" moves on to a backend that does).
+    """
+
+    def problem(w: jax.Array, align: int | None) -> grouped_gemm.GemmProblem:
+        return grouped_gemm.GemmProblem(
+            layout=layout,
+            n=w.shape[1],
+            k=w.shape[2],
+            num_experts=weights.num_experts,
+            num_pairs=num_pairs,
+            x_dtype=jnp.dtype(x_dtype).name,
+            w_dtype=jnp.dtype(weights.w1.dtype).name,
+            platform=jax.default_backend(),
+            alignment=align,
+            max_m=max_m,
         )
-        for w in (weights.w1, weights.w2)
-    )
+
+    gemm1 = grouped_gemm.GEMMS.select(gemm, problem(weights.w1, alignment))
+    if layout == "contiguous" and alignment is None:
+        alignment = gemm1.alignment
+    gemm2 = grouped_gemm.GEMMS.select(gemm, problem(weights.w2, alignment))
+    return GemmPair(gemm1=gemm1, gemm2=gemm2, alignment=alignment)
 
 
-def _intermediate_dtype(prepared: PreparedTokens, call: ExpertsCall):
+def intermediate_dtype(x_dtype, call: ExpertsCall):
     """GEMM outputs are bf16 on the FP8 path (DeepGEMM's D), else the activation dtype."""
-    return jnp.bfloat16 if call.quant_config is not None else prepared.x.dtype
+    return jnp.bfloat16 if call.quant_config is not None else x_dtype
 
 
-def _activate(
-    h: jax.Array, call: ExpertsCall, impl: str | None = "xla"
+def activate(
+    h: jax.Array, call: ExpertsCall, *, impl: str = "auto"
 ) -> tuple[jax.Array, jax.Array | None]:
-    """act(gate) * up, requantized for GEMM2 on the FP8 path.
+    """act(gate) * up of GEMM1's output [M, 2I], requantized for GEMM2 on the FP8 path.
 
-    impl: as `moe_jax.permute`'s; "pallas"/"pallas_interpret" run the fused activation +
-    quantization kernel (`moe_jax.kernels.act_and_quant`) on the FP8 path; activations its
-    compiled form lacks (gelu) take the XLA path on the GPU.
+    Returns:
+      ([M, I] in h's dtype, None) without quantization; (float8_e4m3fn[M, I], float32[M, I/128])
+      on the FP8 path, through `moe_jax.act_quant.act_and_quant(impl=impl)`.
     """
     if call.quant_config is None:
         return act_and_mul(h, call.activation), None
-    impl = permute.resolve_impl(impl)
-    if impl == "pallas":
-        from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
-
-        impl = impl if call.activation in COMPILED_ACTIVATIONS else "xla"
-    if impl == "xla":
-        return call.quant_config.quantize_activations(act_and_mul(h, call.activation))
-    from moe_jax import kernels
-
-    return kernels.act_and_quant(
-        h,
-        activation=call.activation,
-        group_size=call.quant_config.group_size,
-        interpret=impl == "pallas_interpret",
+    return act_quant.act_and_quant(
+        h, activation=call.activation, group_size=call.quant_config.group_size, impl=impl
     )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ContiguousExperts(Experts):
-    """Experts on the contiguous layout.
+    """Experts on the contiguous layout: permute -> GEMM1 -> act (+quant) -> GEMM2 -> unpermute.
+
+    Each stage is a public method, so profiles and benchmarks time the same code that `apply`
+    runs. Every choice goes through `moe_jax.registry`; "auto" is the fastest that runs here.
 
     Attributes:
-      gemm: GEMM backend name ("xla", "torch", "deep_gemm"), a `GroupedGemm`, or None for the best
-        that runs.
-      permute_impl: "xla", "pallas", "pallas_interpret", or None (Pallas on GPU, XLA elsewhere)
-        for the permute and the weighted gather.
-      act_quant_impl: the same choice for act(gate) * up + FP8 requantization (FP8 path only).
-      alignment: rows per expert segment multiple (DeepGEMM needs 128).
+      gemm: GEMM backend name, a `GroupedGemm`, or "auto".
+      permute_impl: implementation of the permute and of the weighted gather (`moe_jax.permute`).
+      act_quant_impl: implementation of act(gate) * up + FP8 requantization (`moe_jax.act_quant`).
+      alignment: rows per expert segment multiple; None takes GEMM1's backend's own (DeepGEMM
+        needs 128).
     """
 
-    gemm: str | grouped_gemm.GroupedGemm | None = "xla"
-    permute_impl: str | None = None
-    act_quant_impl: str | None = None
-    alignment: int = layouts.DEFAULT_ALIGNMENT
+    gemm: str | grouped_gemm.GroupedGemm = "auto"
+    permute_impl: str = "auto"
+    act_quant_impl: str = "auto"
+    alignment: int | None = None
 
     def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
-        num_rows = layouts.contiguous_num_rows(
-            num_tokens, topk, weights.num_experts, self.alignment
-        )
+        """`GemmPair` for T tokens of top-k routing."""
         return select_gemms(
             self.gemm,
             weights,
             layout="contiguous",
-            num_rows=num_rows,
+            num_pairs=num_tokens * topk,
             x_dtype=x_dtype,
             alignment=self.alignment,
         )
 
-    def apply(self, prepared, weights, *, expert_map, call):
-        num_tokens, topk = prepared.topk_ids.shape
-        gemm1, gemm2 = self.select_gemms(
-            weights, num_tokens=num_tokens, topk=topk, x_dtype=prepared.x.dtype
-        )
-        mid_dtype = _intermediate_dtype(prepared, call)
-        lay = permute.permute(
+    def permute(
+        self, prepared: PreparedTokens, weights: ExpertWeights, *, expert_map, gemms: GemmPair
+    ) -> layouts.ContiguousLayout:
+        return permute.permute(
             prepared.x,
             prepared.topk_ids,
             num_experts=weights.num_experts,
             x_scales=prepared.x_scales,
             expert_map=expert_map,
-            alignment=self.alignment,
+            alignment=gemms.alignment,
             impl=self.permute_impl,
         )
-        h = gemm1.contiguous(
+
+    def first_gemm(self, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall):
+        """[M, H] rows -> [M, 2I] in the intermediate dtype."""
+        return gemms.gemm1.contiguous(
             lay.rows,
             weights.w1,
             lay.expert_ids,
             lay.expert_ends,
             x_scales=lay.row_scales,
             w_scales=weights.w1_scale,
-            alignment=self.alignment,
-            out_dtype=mid_dtype,
+            alignment=gemms.alignment,
+            out_dtype=intermediate_dtype(lay.rows.dtype, call),
         )
-        a, a_scales = _activate(h, call, self.act_quant_impl)
-        y = gemm2.contiguous(
+
+    def activate(self, h: jax.Array, call: ExpertsCall):
+        return activate(h, call, impl=self.act_quant_impl)
+
+    def second_gemm(
+        self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
+    ):
+        """[M, I] activations -> [M, H] in the intermediate dtype."""
+        return gemms.gemm2.contiguous(
             a,
             weights.w2,
             lay.expert_ids,
             lay.expert_ends,
             x_scales=a_scales,
             w_scales=weights.w2_scale,
-            alignment=self.alignment,
-            out_dtype=mid_dtype,
+            alignment=gemms.alignment,
+            out_dtype=intermediate_dtype(a.dtype, call),
         )
+
+    def unpermute(self, y, lay, prepared: PreparedTokens, call: ExpertsCall) -> jax.Array:
+        """Weighted sum of each token's expert rows -> [T, H] in call.out_dtype."""
         return permute.unpermute(
             y, lay.inverse, prepared.topk_weights, out_dtype=call.out_dtype, impl=self.permute_impl
         )
+
+    def apply(self, prepared, weights, *, expert_map, call):
+        num_tokens, topk = prepared.topk_ids.shape
+        gemms = self.select_gemms(
+            weights, num_tokens=num_tokens, topk=topk, x_dtype=prepared.x.dtype
+        )
+        lay = self.permute(prepared, weights, expert_map=expert_map, gemms=gemms)
+        h = self.first_gemm(lay, weights, gemms=gemms, call=call)
+        a, a_scales = self.activate(h, call)
+        y = self.second_gemm(a, a_scales, lay, weights, gemms=gemms, call=call)
+        return self.unpermute(y, lay, prepared, call)
 
 
 def masked_mlp(
@@ -215,8 +243,10 @@ def masked_mlp(
     num_rows_per_expert: jax.Array,
     weights: ExpertWeights,
     *,
-    gemm: str | grouped_gemm.GroupedGemm | None,
+    gemm: str | grouped_gemm.GroupedGemm,
     call: ExpertsCall,
+    num_pairs: int,
+    act_quant_impl: str = "auto",
     expected_m: int | None = None,
 ) -> jax.Array:
     """The expert MLP on masked blocks: GEMM1 -> act(gate) * up (-> requantize) -> GEMM2.
@@ -225,18 +255,22 @@ def masked_mlp(
       rows: [E, max_m, H] activations (FP8 with `row_scales` float32[E, max_m, H // 128] on the
         FP8 path); rows at or past `num_rows_per_expert[e]` are ignored.
       num_rows_per_expert: int32[E] valid rows (DeepGEMM's masked_m).
-      gemm: GEMM backend name or object.
+      gemm: GEMM backend name, object or "auto".
+      num_pairs: routed pairs the blocks hold at most (for the backend choice).
+      act_quant_impl: implementation of act + requantization (`moe_jax.act_quant`).
       expected_m: scheduling hint for tuned backends; None means max_m.
 
     Returns:
       [E, max_m, H] in the intermediate dtype (bf16 on the FP8 path); rows past the counts are
       unspecified.
     """
-    max_m = rows.shape[1]
-    gemm1, gemm2 = select_gemms(gemm, weights, layout="masked", num_rows=max_m, x_dtype=rows.dtype)
-    mid_dtype = jnp.bfloat16 if call.quant_config is not None else rows.dtype
+    num_experts, max_m = rows.shape[:2]
+    gemms = select_gemms(
+        gemm, weights, layout="masked", num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m
+    )
+    mid_dtype = intermediate_dtype(rows.dtype, call)
     expected_m = max_m if expected_m is None else expected_m
-    h = gemm1.masked(
+    h = gemms.gemm1.masked(
         rows,
         weights.w1,
         num_rows_per_expert,
@@ -245,9 +279,11 @@ def masked_mlp(
         expected_m=expected_m,
         out_dtype=mid_dtype,
     )
-    a, a_scales = _activate(h, call)
-    return gemm2.masked(
-        a,
+    a, a_scales = activate(h.reshape(num_experts * max_m, -1), call, impl=act_quant_impl)
+    if a_scales is not None:
+        a_scales = a_scales.reshape(num_experts, max_m, -1)
+    return gemms.gemm2.masked(
+        a.reshape(num_experts, max_m, -1),
         weights.w2,
         num_rows_per_expert,
         x_scales=a_scales,
@@ -261,19 +297,40 @@ def masked_mlp(
 class MaskedExperts(Experts):
     """Experts on the masked layout `[E, max_m, H]`.
 
+    A token takes at most one row of an expert (slots repeating an expert share it), so T rows per
+    expert never drop anything; that is also the most this layout allocates.
+
     Attributes:
       gemm: as for `ContiguousExperts`.
-      max_m: rows per expert; None means T * k, which never drops a pair. A smaller value drops
-        the pairs that do not fit (in (token, slot) order), so use it only when the routing is
-        known to fit (e.g. DeepEP's per-rank token limit).
+      act_quant_impl: as for `ContiguousExperts`.
+      max_m: rows per expert, at most T; None means T. A smaller value drops the tokens that do
+        not fit (in token order), so use it only when the routing is known to fit (e.g. DeepEP's
+        per-rank token limit).
     """
 
-    gemm: str | grouped_gemm.GroupedGemm | None = "xla"
+    gemm: str | grouped_gemm.GroupedGemm = "auto"
+    act_quant_impl: str = "auto"
     max_m: int | None = None
+
+    def __post_init__(self):
+        if self.max_m is not None and (not isinstance(self.max_m, int) or self.max_m < 1):
+            raise ValueError(f"MaskedExperts(max_m={self.max_m!r}) needs a positive int or None")
+
+    def capacity(self, num_tokens: int) -> int:
+        """Rows per expert for T tokens; raises when `max_m` asks for more than T."""
+        if self.max_m is None:
+            return max(num_tokens, 1)
+        if self.max_m > max(num_tokens, 1):
+            raise ValueError(
+                f"MaskedExperts(max_m={self.max_m}) exceeds the per-expert capacity of "
+                f"{num_tokens} rows for T={num_tokens} tokens (a token takes at most one row of "
+                "an expert); pass max_m <= T or None"
+            )
+        return self.max_m
 
     def apply(self, prepared, weights, *, expert_map, call):
         num_tokens, topk = prepared.topk_ids.shape
-        max_m = num_tokens * topk if self.max_m is None else self.max_m
+        max_m = self.capacity(num_tokens)
         lay = layouts.masked_layout_reference(
             prepared.x,
             prepared.topk_ids,
@@ -293,6 +350,8 @@ class MaskedExperts(Experts):
             weights,
             gemm=self.gemm,
             call=call,
+            num_pairs=num_tokens * topk,
+            act_quant_impl=self.act_quant_impl,
             expected_m=expected_m,
         )
         flat = y.reshape(-1, y.shape[-1])
@@ -301,43 +360,42 @@ class MaskedExperts(Experts):
         )
 
 
-# Names accepted by `fused_moe(experts=...)`; "auto" is resolved by `resolve_experts`.
-_NAMED_EXPERTS = {
-    "xla": lambda: ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla"),
-    "torch": lambda: ContiguousExperts(gemm="torch"),
-    "mosaic": lambda: ContiguousExperts(gemm="mosaic"),
-    "deep_gemm": lambda: ContiguousExperts(gemm="deep_gemm"),
-    "xla_masked": lambda: MaskedExperts(gemm="xla"),
-    "deep_gemm_masked": lambda: MaskedExperts(gemm="deep_gemm"),
-}
-EXPERTS_NAMES = ("auto", *_NAMED_EXPERTS)
+MASKED_SUFFIX = "_masked"
 
 
-def resolve_experts(
-    experts: str | Experts, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype
-) -> Experts:
-    """An `Experts` object from a name; "auto" picks the fastest that runs here.
+def experts_names() -> tuple[str, ...]:
+    """Names `fused_moe(experts=...)` accepts: "auto", each GEMM backend (contiguous layout), and
+    each backend with the "_masked" suffix (masked layout)."""
+    gemms = grouped_gemm.GEMMS.names()
+    return ("auto", *gemms, *(name + MASKED_SUFFIX for name in gemms))
 
-    "auto" is the XLA reference off the GPU. On a GPU it is the contiguous layout with the first
-    GEMM backend in `grouped_gemm.PREFERENCE` that accepts both GEMMs (DeepGEMM, then torch),
-    and the Pallas permute kernels.
+
+def resolve_experts(experts: str | Experts) -> Experts:
+    """An `Experts` object from a name (see `experts_names`) or the object itself.
+
+    "auto" is `ContiguousExperts()`: every stage "auto", so the GEMM registry decides (DeepGEMM,
+    torch, Mosaic, then XLA on a GPU; XLA elsewhere). "xla" is the pure-XLA reference for every
+    stage. Another GEMM name is the contiguous layout with that backend and automatic permute and
+    activation kernels; "<gemm>_masked" is the masked layout with that backend.
+
+    Raises:
+      ValueError: an unknown name (the message lists the valid ones).
     """
     if isinstance(experts, Experts):
         return experts
-    if experts not in EXPERTS_NAMES:
-        raise ValueError(
-            f"unknown experts {experts!r}; choose from {list(EXPERTS_NAMES)} "
-            "or pass an Experts object"
-        )
-    if experts != "auto":
-        return _NAMED_EXPERTS[experts]()
-    if jax.default_backend() == "cpu":
-        return _NAMED_EXPERTS["xla"]()
-    for name in grouped_gemm.PREFERENCE:
-        candidate = ContiguousExperts(gemm=name)
-        try:
-            candidate.select_gemms(weights, num_tokens=num_tokens, topk=topk, x_dtype=x_dtype)
-        except NotImplementedError:
-            continue
-        return candidate
-    return _NAMED_EXPERTS["xla"]()
+    if not isinstance(experts, str):
+        raise TypeError(f"experts={experts!r}: pass a name or an Experts object")
+    gemms = grouped_gemm.GEMMS.names()
+    if experts == "auto":
+        return ContiguousExperts()
+    if experts == "xla":
+        return ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla")
+    if experts in gemms:
+        return ContiguousExperts(gemm=experts)
+    base = experts.removesuffix(MASKED_SUFFIX)
+    if experts.endswith(MASKED_SUFFIX) and base in gemms:
+        return MaskedExperts(gemm=base, act_quant_impl="xla" if base == "xla" else "auto")
+    raise ValueError(
+        f"unknown experts {experts!r}; choose from {list(experts_names())} "
+        "or pass an Experts object"
+    )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from moe_jax import quant
-from moe_jax.experts import Experts, ExpertWeights, resolve_experts
+from moe_jax.experts import Experts, resolve_experts
 from moe_jax.modular import ModularMoE
 from moe_jax.prepare_finalize import NoEPPrepareFinalize
 
@@ -23,7 +22,6 @@ def fused_moe(
     expert_map: jax.Array | None = None,
     w1_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
-    block_shape: tuple[int, int] | None = None,
     chunk_size: int | None = None,
     experts: str | Experts = "auto",
 ) -> jax.Array:
@@ -45,11 +43,9 @@ def fused_moe(
       expert_map: int[E_global] local index of each global expert, -1 where held elsewhere.
       w1_scale: float32[E, ceil(2I/128), ceil(H/128)] block scales of FP8 w1.
       w2_scale: float32[E, ceil(H/128), ceil(I/128)] block scales of FP8 w2.
-      block_shape: FP8 weight tile; None or (128, 128). With FP8 weights the activations are
-        quantized per token per 128 columns before each GEMM (vLLM's recipe).
       chunk_size: run the experts over chunks of at most this many tokens (static shapes).
-      experts: "auto" (fastest that runs here), "xla", "torch", "deep_gemm", "xla_masked",
-        "deep_gemm_masked", or an `Experts` object.
+      experts: "auto" (the fastest that runs here), a name from `moe_jax.experts_names()`
+        ("xla", "deep_gemm", "torch", ..., "deep_gemm_masked", ...), or an `Experts` object.
 
     Returns:
       [T, H] in hidden_states.dtype.
@@ -61,16 +57,7 @@ def fused_moe(
       >>> [round(v, 4) for v in out[:, 0].tolist()]  # token 1 went to a missing expert
       [1.4621, 0.0]
     """
-    if block_shape is not None:
-        quant.Fp8BlockQuant(block_shape=tuple(block_shape))  # validates
-    chosen = resolve_experts(
-        experts,
-        ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale),
-        num_tokens=min(hidden_states.shape[0], chunk_size or hidden_states.shape[0]),
-        topk=topk_ids.shape[-1],
-        x_dtype=hidden_states.dtype,
-    )
-    layer = ModularMoE(NoEPPrepareFinalize(), chosen, chunk_size=chunk_size)
+    layer = ModularMoE(NoEPPrepareFinalize(), resolve_experts(experts), chunk_size=chunk_size)
     return layer(
         hidden_states,
         w1,

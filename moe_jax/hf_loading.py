@@ -1,183 +1,67 @@
-"""Hugging Face MoE checkpoints -> `moe_jax.flax_layer.MoE` params.
+"""Hugging Face MoE blocks -> `moe_jax.flax_layer.MoE`, three ways.
 
-Per-expert HF linears (weight [out, in], already the NT layout vLLM uses) are stacked into
-w1 = concat(gate, up) [E, 2I, H] and w2 = down [E, H, I]; the router `gate.weight` [E, H] becomes
-`router_kernel` [H, E]. Namings, under a layer prefix such as "model.layers.3.":
+    moe_from_hf(state_dict, "model.layers.3.", config)   a state dict (checkpoint naming, or a
+                                                           transformers 5 model's fused one)
+    moe_from_hf(model.state_dict(), prefix, model.config) a model in memory
+    moe_from_pretrained(path, 3)                          a checkpoint directory, read lazily
 
-    mixtral      block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1/w3/w2.weight
-    qwen3_moe    mlp.gate.weight, mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
-    deepseek_v3  as qwen3_moe, plus mlp.gate.e_score_correction_bias and
-                 mlp.shared_experts.gate_proj/up_proj/down_proj.weight
+`load_hf_moe(layer, state_dict, prefix)` fills a layer you built. Supported model types:
+Mixtral, Qwen3-MoE, DeepSeek-V3 (float or FP8 `weight_scale_inv`), and Qwen2-MoE up to its
+shared-expert gate, which `MoE` lacks (loading refuses; `hf_moe_params` returns all arrays).
+The pieces: `moe_jax.hf_config` (configs), `moe_jax.hf_weights` (namings, stacking),
+`moe_jax.hf_checkpoint` (safetensors directories).
 
-FP8 checkpoints (DeepSeek-V3's `*.weight_scale_inv` 128x128 block scales, the vLLM layout) are read
-as such. Values may be numpy arrays, JAX arrays or torch tensors (torch is imported only when a
-tensor is converted). Routing hyperparameters live in config.json, not in the weights:
-`moe_kwargs_from_hf_config` turns one into `MoE` constructor arguments.
-
-HF semantics not reproduced bit for bit: HF's DeepSeek-V3 router fills dropped groups with 0.0
-where vLLM (and moe_jax) use -inf (they differ only when a biased score in a kept group is
-negative), adds 1e-20 to the renormalization sum, and Mixtral/Qwen3 compute the router logits in
-the activation dtype where `MoE` uses float32.
+HF semantics not reproduced bit for bit: transformers 4's DeepSeek-V3 router fills dropped
+groups with 0.0 where vLLM, transformers 5 and moe_jax use -inf (they differ only when a biased
+score in a kept group is negative); HF adds 1e-20 to DeepSeek's renormalization sum; and
+Mixtral/Qwen compute the router logits in the activation dtype where `MoE` uses float32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from moe_jax import quant
-from moe_jax.flax_layer import MoE, RouterConfig
+from moe_jax.flax_layer import MoE
+from moe_jax.hf_checkpoint import open_hf_layer, read_hf_config
+from moe_jax.hf_config import (
+    SUPPORTED_MODEL_TYPES,
+    dense_layer_reason,
+    hf_config_dict,
+    moe_kwargs_from_hf_config,
+)
+from moe_jax.hf_weights import HF_NAMINGS, HFNaming, detect_hf_naming, hf_moe_params, to_numpy
 
-# naming -> (router key, expert key format, (gate, up, down) projection names)
-_NAMINGS = {
-    "mixtral": (
-        "block_sparse_moe.gate.weight",
-        "block_sparse_moe.experts.{e}.{proj}.weight",
-        ("w1", "w3", "w2"),
-    ),
-    "qwen3_moe": (
-        "mlp.gate.weight",
-        "mlp.experts.{e}.{proj}.weight",
-        ("gate_proj", "up_proj", "down_proj"),
-    ),
-    "deepseek_v3": (
-        "mlp.gate.weight",
-        "mlp.experts.{e}.{proj}.weight",
-        ("gate_proj", "up_proj", "down_proj"),
-    ),
-}
-HF_NAMINGS = tuple(_NAMINGS)
-_BIAS_KEY = "mlp.gate.e_score_correction_bias"
-_SHARED_KEY = "mlp.shared_experts.{proj}.weight"
-_SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 FP8: "<name>.weight_scale_inv" next to "<name>.weight"
-_MAX_LISTED = 12
+__all__ = [
+    "HF_NAMINGS",
+    "SUPPORTED_MODEL_TYPES",
+    "HFNaming",
+    "detect_hf_naming",
+    "hf_moe_params",
+    "load_hf_moe",
+    "moe_from_hf",
+    "moe_from_pretrained",
+    "moe_kwargs_from_hf_config",
+    "to_numpy",
+]
 
 
-def to_numpy(value: Any) -> np.ndarray:
-    """A numpy array from a numpy/JAX array or a torch tensor (bf16 and fp8 via ml_dtypes)."""
-    if type(value).__module__.startswith("torch"):
-        import torch
-
-        t = value.detach().cpu()
-        views = {
-            torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
-            torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
-        }
-        if t.dtype in views:
-            raw, dtype = views[t.dtype]
-            return t.contiguous().view(raw).numpy().view(dtype)
-        return t.numpy()
-    return np.asarray(value)
-
-
-def detect_hf_naming(state_dict: Mapping[str, Any], prefix: str = "") -> str:
-    """Which HF MoE naming the keys under `prefix` follow: one of `HF_NAMINGS`."""
-    if prefix + "block_sparse_moe.gate.weight" in state_dict:
-        return "mixtral"
-    if prefix + "mlp.shared_expert.gate_proj.weight" in state_dict:
+def _refuse_gated_shared_expert(naming: HFNaming, prefix: str) -> None:
+    if naming.shared == "shared_expert":
         raise NotImplementedError(
-            f"{prefix}mlp.shared_expert.* is Qwen2-MoE's sigmoid-gated shared expert, which MoE "
-            "does not model; supported namings: " + ", ".join(HF_NAMINGS)
+            f"{prefix}mlp.shared_expert_gate is Qwen2-MoE's per-token gate on the shared expert "
+            "(shared output * sigmoid(x @ shared_expert_gate.weight.T)); moe_jax.flax_layer.MoE "
+            "has no such gate, so it cannot hold this block. hf_moe_params(state_dict, prefix) "
+            "returns every array (the gate as shared_gate_kernel [H, 1]): build MoE from the "
+            "routed ones and add the gated shared expert yourself"
         )
-    if (
-        prefix + _BIAS_KEY in state_dict
-        or prefix + _SHARED_KEY.format(proj="gate_proj") in state_dict
-    ):
-        return "deepseek_v3"
-    if prefix + "mlp.gate.weight" in state_dict:
-        return "qwen3_moe"
-    near = sorted(k for k in state_dict if k.startswith(prefix))[:_MAX_LISTED]
-    raise ValueError(
-        f"no MoE router under prefix {prefix!r}: expected {prefix}block_sparse_moe.gate.weight "
-        f"(Mixtral) or {prefix}mlp.gate.weight (Qwen3-MoE, DeepSeek-V3). Keys under the prefix: "
-        f"{near or 'none'} (check the prefix, e.g. 'model.layers.3.')"
-    )
-
-
-def _raise_missing(missing: list[str], prefix: str, naming: str) -> None:
-    if missing:
-        listed = ", ".join(missing[:_MAX_LISTED])
-        more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
-        raise KeyError(
-            f"{naming} MoE weights under {prefix!r} are incomplete: missing "
-            f"{len(missing)} keys: {listed}{more}"
-        )
-
-
-def _stack_projections(state_dict, keys: list[list[str]]) -> tuple[np.ndarray, np.ndarray | None]:
-    """keys[e] = [gate, up, down] weight keys -> (w1 [E, 2I, H], w2 [E, H, I]) and scales."""
-
-    def scale_key(k):
-        return k + _SCALE_SUFFIX
-
-    has_scales = scale_key(keys[0][0]) in state_dict
-    w1 = np.stack(
-        [np.concatenate([to_numpy(state_dict[g]), to_numpy(state_dict[u])]) for g, u, _ in keys]
-    )
-    w2 = np.stack([to_numpy(state_dict[d]) for _, _, d in keys])
-    if not has_scales:
-        return (w1, w2), None
-    s1 = np.stack(
-        [
-            np.concatenate([to_numpy(state_dict[scale_key(g)]), to_numpy(state_dict[scale_key(u)])])
-            for g, u, _ in keys
-        ]
-    )
-    s2 = np.stack([to_numpy(state_dict[scale_key(d)]) for _, _, d in keys])
-    return (w1, w2), (s1.astype(np.float32), s2.astype(np.float32))
-
-
-def hf_moe_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-    """Stacks one HF MoE block's weights into `MoE` param arrays.
-
-    Args:
-      state_dict: HF names -> numpy arrays or torch tensors.
-      prefix: the decoder layer prefix, e.g. "model.layers.3." (keys are prefix + name).
-
-    Returns:
-      numpy arrays named as `MoE` params: router_kernel [H, E], w1 [E, 2I, H], w2 [E, H, I];
-      e_score_correction_bias [E] and shared_w1 [2nI, H], shared_w2 [H, nI] when the checkpoint
-      has them; with FP8 checkpoints w1/w2 are float8_e4m3fn and `*_scale` arrays come too.
-
-    Raises:
-      ValueError: no known router key under the prefix.
-      KeyError: expert or shared-expert weights are missing (all missing keys are counted).
-    """
-    naming = detect_hf_naming(state_dict, prefix)
-    router_key, expert_fmt, projs = _NAMINGS[naming]
-    gate = to_numpy(state_dict[prefix + router_key])
-    if gate.ndim != 2:
-        raise ValueError(f"{prefix + router_key} has shape {gate.shape} but [E, H] is needed")
-    num_experts = gate.shape[0]
-    keys = [[prefix + expert_fmt.format(e=e, proj=p) for p in projs] for e in range(num_experts)]
-    shared = [prefix + _SHARED_KEY.format(proj=p) for p in projs]
-    has_shared = naming == "deepseek_v3" and any(k in state_dict for k in shared)
-    wanted = [k for row in keys for k in row] + (shared if has_shared else [])
-    fp8 = keys[0][0] + _SCALE_SUFFIX in state_dict
-    if fp8:
-        wanted += [k + _SCALE_SUFFIX for k in wanted]
-    _raise_missing([k for k in wanted if k not in state_dict], prefix, naming)
-
-    params = {"router_kernel": np.ascontiguousarray(gate.T)}
-    (params["w1"], params["w2"]), scales = _stack_projections(state_dict, keys)
-    if scales is not None:
-        params["w1_scale"], params["w2_scale"] = scales
-    if prefix + _BIAS_KEY in state_dict:
-        params["e_score_correction_bias"] = to_numpy(state_dict[prefix + _BIAS_KEY]).astype(
-            np.float32
-        )
-    if has_shared:
-        (w1, w2), scales = _stack_projections(state_dict, [shared])
-        params["shared_w1"], params["shared_w2"] = w1[0], w2[0]
-        if scales is not None:
-            params["shared_w1_scale"], params["shared_w2_scale"] = scales[0][0], scales[1][0]
-    return params
 
 
 def _layer_arrays(layer: MoE, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -205,10 +89,20 @@ def load_hf_moe(layer: MoE, state_dict: Mapping[str, Any], prefix: str = "") -> 
     Float weights are cast to the layer's param dtype. Works on an abstract layer from
     `nnx.eval_shape`, which it fills completely.
 
+    Args:
+      layer: the layer to fill.
+      state_dict: HF names -> numpy arrays, JAX arrays or torch tensors, in either naming of
+        `HF_NAMINGS` (detected from the keys); it may be lazy (see `open_hf_layer`).
+      prefix: the decoder layer prefix, e.g. "model.layers.3.".
+
     Raises:
       ValueError: a param the layer has is absent from the checkpoint or vice versa, or a shape
-        differs (the message names the param, both shapes and the fix).
+        differs (the message names the param, both shapes and the fix); no MoE block under
+        the prefix.
+      KeyError: expert weights are missing.
+      NotImplementedError: a Qwen2-MoE block (its shared-expert gate has no `MoE` param).
     """
+    _refuse_gated_shared_expert(detect_hf_naming(state_dict, prefix), prefix)
     arrays = _layer_arrays(layer, hf_moe_params(state_dict, prefix))
     layer_params = {name for name, v in vars(layer).items() if isinstance(v, nnx.Param)}
     if extra := sorted(set(arrays) - layer_params):
@@ -235,66 +129,24 @@ def load_hf_moe(layer: MoE, state_dict: Mapping[str, Any], prefix: str = "") -> 
     return layer
 
 
-def moe_kwargs_from_hf_config(config: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """`MoE` constructor arguments from an HF config (config.json dict or PretrainedConfig).
-
-    Supports model_type "mixtral", "qwen3_moe" and "deepseek_v3" (DeepSeek's "noaux_tc"
-    routing: sigmoid scores, grouped top-k, correction bias, routed scaling, shared experts).
-    """
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    model_type = config.get("model_type")
-    if model_type == "mixtral":
-        return dict(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_experts=config["num_local_experts"],
-            topk=config["num_experts_per_tok"],
-            router=RouterConfig(scoring_func="softmax", renormalize=True),
-        )
-    if model_type == "qwen3_moe":
-        return dict(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["moe_intermediate_size"],
-            num_experts=config["num_experts"],
-            topk=config["num_experts_per_tok"],
-            router=RouterConfig(
-                scoring_func="softmax", renormalize=bool(config.get("norm_topk_prob", False))
-            ),
-        )
-    if model_type == "deepseek_v3":
-        method = config.get("topk_method", "noaux_tc")
-        if method != "noaux_tc":
-            raise ValueError(f"deepseek_v3 topk_method={method!r}; only 'noaux_tc' is supported")
-        return dict(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["moe_intermediate_size"],
-            num_experts=config["n_routed_experts"],
-            topk=config["num_experts_per_tok"],
-            num_shared_experts=config.get("n_shared_experts") or 0,
-            router=RouterConfig(
-                scoring_func=config.get("scoring_func", "sigmoid"),
-                renormalize=bool(config.get("norm_topk_prob", True)),
-                num_expert_group=config["n_group"],
-                topk_group=config["topk_group"],
-                use_correction_bias=True,
-                routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-            ),
-        )
-    raise ValueError(
-        f"model_type={model_type!r}; supported: 'mixtral', 'qwen3_moe', "
-        "'deepseek_v3' (or build MoE yourself and call load_hf_moe)"
-    )
-
-
 def moe_from_hf(
     state_dict: Mapping[str, Any], prefix: str, config: Mapping[str, Any] | Any, **layer_kwargs
 ) -> MoE:
-    """An `MoE` holding the HF checkpoint's weights for the layer at `prefix`.
+    """An `MoE` holding the HF weights of the MoE block at `prefix`.
 
     Builds the layer abstractly (`nnx.eval_shape`, no random init) from `config` and fills it
-    with `load_hf_moe`. `layer_kwargs` (dtype, param_dtype, quant_config, experts, chunk_size)
-    go to the constructor.
+    with `load_hf_moe`.
+
+    Args:
+      state_dict: HF names -> arrays or tensors: a checkpoint's (per-expert naming) or a
+        transformers 5 model's `state_dict()` (fused naming); detected from the keys.
+      prefix: the decoder layer prefix, e.g. "model.layers.3.".
+      config: the model's config.json dict or PretrainedConfig (`moe_kwargs_from_hf_config`).
+      **layer_kwargs: `MoE` constructor arguments that override or add to the config's
+        (dtype, param_dtype, quant_config, experts, chunk_size).
+
+    Raises:
+      As `moe_kwargs_from_hf_config` and `load_hf_moe`.
 
     Example:
       >>> import numpy as np
@@ -310,6 +162,7 @@ def moe_from_hf(
       ((4, 12, 8), (3, 8))
     """
     kwargs = moe_kwargs_from_hf_config(config) | layer_kwargs
+    _refuse_gated_shared_expert(detect_hf_naming(state_dict, prefix), prefix)
     layer = nnx.eval_shape(lambda: MoE(**kwargs, rngs=nnx.Rngs(0)))
     load_hf_moe(layer, state_dict, prefix)
     leftover = [
@@ -320,3 +173,45 @@ def moe_from_hf(
     if leftover:  # load_hf_moe checks the param sets match, so this means a new variable kind
         raise ValueError(f"variables {leftover} were not loaded from the checkpoint")
     return layer
+
+
+def moe_from_pretrained(
+    path: str | Path, layer_index: int, *, layers_prefix: str = "model.layers.", **layer_kwargs
+) -> MoE:
+    """An `MoE` holding decoder layer `layer_index`'s MoE block of a checkpoint directory.
+
+    Reads path/config.json, then only that layer's tensors, lazily, from model.safetensors or
+    the shards of model.safetensors.index.json (`moe_jax.hf_checkpoint`): peak host memory is
+    about one copy of the layer's expert weights. DeepSeek-V3's FP8 weights and their
+    `weight_scale_inv` block scales are read as such: they stay FP8 in a layer built with
+    `quant_config=quant.Fp8BlockQuant()` and are dequantized into a float layer otherwise.
+    Needs safetensors and torch (`pip install 'moe_jax[hf]'`).
+
+    Args:
+      path: the checkpoint directory (config.json and safetensors files), e.g. a
+        `huggingface_hub.snapshot_download` result or a `save_pretrained` output.
+      layer_index: the decoder layer, from 0.
+      layers_prefix: the name of the decoder layers in the checkpoint; tensors are read from
+        f"{layers_prefix}{layer_index}.".
+      **layer_kwargs: `MoE` constructor arguments, as for `moe_from_hf`.
+
+    Raises:
+      FileNotFoundError: no config.json, or no safetensors checkpoint, in `path`.
+      ValueError: the layer is not in the checkpoint, or is a dense MLP (the message says
+        which config field makes it dense), or as `moe_from_hf`.
+      NotImplementedError: as `moe_kwargs_from_hf_config` and `load_hf_moe`.
+    """
+    if layer_index < 0:
+        raise ValueError(f"layer_index={layer_index} must be >= 0")
+    config = read_hf_config(path)
+    moe_kwargs_from_hf_config(config)  # unsupported model types fail before any tensor is read
+    num_layers = hf_config_dict(config).get("num_hidden_layers")
+    if num_layers is not None and layer_index < num_layers:
+        if (why := dense_layer_reason(config, layer_index)) is not None:
+            raise ValueError(
+                f"layer {layer_index} of {path} is a dense MLP, not an MoE block: {why}; "
+                "pick an MoE layer"
+            )
+    prefix = f"{layers_prefix}{layer_index}."
+    with open_hf_layer(path, prefix) as tensors:
+        return moe_from_hf(tensors, prefix, config, **layer_kwargs)

@@ -34,8 +34,7 @@ def report() -> str:
         "",
         f"grouped-GEMM backends for GEMM1 of T={p['num_tokens']} k={p['topk']} "
         f"E={p['num_experts']} H={p['hidden']} I={p['intermediate']} "
-        "(on a GPU, fused_moe(experts='auto') takes the first that runs, in this order; "
-        "on the CPU it runs xla):",
+        "(experts='auto' takes the first that runs of those it prefers here, listed first):",
     ]
     num_rows = contiguous_num_rows(p["num_tokens"], p["topk"], p["num_experts"], 128)
     for dtype in ("float8_e4m3fn", "bfloat16"):
@@ -44,14 +43,18 @@ def report() -> str:
             num_rows=num_rows,
             n=2 * p["intermediate"],
             k=p["hidden"],
-            num_groups=p["num_experts"],
+            num_experts=p["num_experts"],
+            num_pairs=p["num_tokens"] * p["topk"],
             x_dtype=dtype,
             w_dtype=dtype,
             alignment=128,
             platform=jax.default_backend(),
         )
         lines.append(f"  {dtype}:")
-        for name in grouped_gemm.PREFERENCE:
-            why = grouped_gemm.get_gemm(name).unsupported_reason(problem)
+        order = grouped_gemm.GEMMS.preference(problem)
+        reasons = grouped_gemm.GEMMS.reasons(problem)
+        listed = [*order, *(name for name in reasons if name not in order)]
+        for name in listed:
+            why = reasons[name]
             lines.append(f"    {name:<10} {'runs' if why is None else 'no: ' + why}")
     return "\n".join(lines)

@@ -241,13 +241,17 @@ def unpermute_reference(
 class MaskedLayout:
     """Per-expert padded blocks `[E, max_m, H]` (DeepEP low-latency / DeepGEMM masked layout).
 
+    A token that picks one expert in several slots takes one row there; each of those slots points
+    at that row, so the weighted sum applies every slot's weight to the one expert output.
+
     Attributes:
       rows: [E, max_m, H] token copies; rows at or past the expert's count are zero.
       row_scales: float32[E, max_m, G] scales for FP8 rows, or None.
-      num_tokens_per_expert: int32[E] valid rows per expert (DeepGEMM `masked_m`), capped at max_m.
+      num_tokens_per_expert: int32[E] valid rows (distinct tokens) per expert (DeepGEMM
+        `masked_m`), capped at max_m.
       inverse: int32[T, k] flat row `e * max_m + r` of each (token, slot), -1 when routed nowhere
         or dropped for lack of capacity.
-      num_dropped: int32[] pairs that did not fit in max_m rows (0 when max_m >= T * k).
+      num_dropped: int32[] (token, expert) rows that did not fit in max_m (0 when max_m >= T).
     """
 
     rows: jax.Array
@@ -255,6 +259,18 @@ class MaskedLayout:
     num_tokens_per_expert: jax.Array
     inverse: jax.Array
     num_dropped: jax.Array
+
+
+def first_slot_of_expert(local_ids: jax.Array) -> jax.Array:
+    """int32[T, k]: for each slot, the first slot of its row with the same expert id (itself when
+    there is none before it).
+
+    Example:
+      >>> first_slot_of_expert(jnp.array([[3, 1, 3, -1]])).tolist()
+      [[0, 1, 0, 3]]
+    """
+    same = local_ids[:, :, None] == local_ids[:, None, :]
+    return jnp.argmax(same, axis=-1).astype(jnp.int32)
 
 
 def masked_layout_reference(
@@ -266,26 +282,31 @@ def masked_layout_reference(
     x_scales: jax.Array | None = None,
     expert_map: jax.Array | None = None,
 ) -> MaskedLayout:
-    """Builds the masked layout; pairs beyond `max_m` per expert are dropped and counted.
+    """Builds the masked layout; tokens beyond `max_m` per expert are dropped and counted.
 
     Args:
       x: [T, H] tokens.
       topk_ids: int[T, k] expert per slot.
       num_experts: E_local.
-      max_m: rows per expert (static); T * k never drops.
+      max_m: rows per expert (static); T never drops, since a token takes at most one row of
+        an expert.
       x_scales: optional float32[T, G], laid out with the rows.
       expert_map: optional int[E_global] global-to-local map.
     """
     num_tokens, topk = topk_ids.shape
     local = map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    # Alignment 1 gives each pair its rank within its expert: dest - start.
-    dest, counts, ends = contiguous_destinations(local, num_experts=num_experts, alignment=1)
-    rank = dest - (ends - counts)[jnp.clip(local, 0, num_experts - 1)]
-    fits = (local >= 0) & (rank < max_m)
-    inverse = jnp.where(fits, local * max_m + rank, -1).astype(jnp.int32)
+    first = first_slot_of_expert(local)
+    is_first = first == jnp.arange(topk, dtype=jnp.int32)[None, :]
+    unique = jnp.where(is_first, local, -1)
+    # Alignment 1 gives each (token, expert) its rank within its expert: dest - start.
+    dest, counts, ends = contiguous_destinations(unique, num_experts=num_experts, alignment=1)
+    rank = dest - (ends - counts)[jnp.clip(unique, 0, num_experts - 1)]
+    fits = (unique >= 0) & (rank < max_m)
+    own_row = jnp.where(fits, unique * max_m + rank, -1).astype(jnp.int32)
+    inverse = jnp.take_along_axis(own_row, first, axis=1)  # repeats share the first slot's row
     num_slots = num_experts * max_m
-    flat_inverse = inverse.reshape(-1)
-    scatter_to = jnp.where(flat_inverse >= 0, flat_inverse, num_slots)
+    flat_rows = own_row.reshape(-1)
+    scatter_to = jnp.where(flat_rows >= 0, flat_rows, num_slots)
     token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), topk)
     source = jnp.full((num_slots,), -1, jnp.int32).at[scatter_to].set(token_of_pair, mode="drop")
 
@@ -301,5 +322,5 @@ def masked_layout_reference(
         row_scales=None if x_scales is None else gather(x_scales),
         num_tokens_per_expert=jnp.minimum(counts, max_m).astype(jnp.int32),
         inverse=inverse,
-        num_dropped=jnp.sum((local >= 0) & ~fits, dtype=jnp.int32),
+        num_dropped=jnp.sum((unique >= 0) & ~fits, dtype=jnp.int32),
     )

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax import permute, quant
+from moe_jax import act_quant, quant
 from moe_jax._pytree import pytree_dataclass
 
 
@@ -84,33 +84,16 @@ def scale_by_router_weight(hidden_states: jax.Array, topk_weights: jax.Array) ->
     return scaled.astype(hidden_states.dtype)
 
 
-def quantize_tokens(
-    x: jax.Array, quant_config: quant.Fp8BlockQuant, impl: str | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """(float8_e4m3fn[T, H], float32[T, H // 128]) per `quant_config`.
-
-    impl: "xla" (`quant.per_token_group_quant_fp8`), "pallas" (`moe_jax.kernels.group_quant`, one
-    pass), "pallas_interpret", or None (Pallas on GPU, XLA elsewhere).
-    """
-    impl = permute.resolve_impl(impl)
-    if impl == "xla":
-        return quant_config.quantize_activations(x)
-    from moe_jax import kernels
-
-    return kernels.group_quant(
-        x, group_size=quant_config.group_size, interpret=impl == "pallas_interpret"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class NoEPPrepareFinalize(PrepareFinalize):
     """No expert parallelism: every expert is local; prepare only scales and quantizes.
 
     Attributes:
-      quant_impl: how FP8 activations are quantized (see `quantize_tokens`).
+      quant_impl: implementation of the FP8 token quantization (`moe_jax.act_quant.group_quant`):
+        "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
     """
 
-    quant_impl: str | None = None
+    quant_impl: str = "auto"
 
     def prepare(
         self, hidden_states, topk_weights, topk_ids, *, quant_config, apply_router_weight_on_input
@@ -122,7 +105,9 @@ class NoEPPrepareFinalize(PrepareFinalize):
             weights = jnp.ones_like(weights)
         x_scales = None
         if quant_config is not None:
-            x, x_scales = quantize_tokens(x, quant_config, self.quant_impl)
+            x, x_scales = act_quant.group_quant(
+                x, group_size=quant_config.group_size, impl=self.quant_impl
+            )
         return PreparedTokens(
             x=x, x_scales=x_scales, topk_ids=topk_ids.astype(jnp.int32), topk_weights=weights
         )

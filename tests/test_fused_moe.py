@@ -16,31 +16,16 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import EXPERTS_NAMES, ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe
+from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, experts_names, fused_moe
 
 
-def _pallas_permute_works() -> bool:
-    """True if `moe_jax.kernels.permute` imports and runs in interpret mode on a tiny problem."""
-    try:
-        from moe_jax import kernels
-
-        lay = kernels.permute(
-            jnp.ones((2, 128), jnp.float32),
-            jnp.array([[0, 1], [1, 1]], jnp.int32),
-            num_experts=2,
-            alignment=4,
-            interpret=True,
-        )
-        return lay.inverse.tolist() == [[0, 4], [5, 6]]
-    except Exception:  # noqa: BLE001 - any failure means "not ready"
-        return False
-
-
-EXPERTS_BY_ID = {"xla": "xla", "xla_masked": "xla_masked"}
-if _pallas_permute_works():
-    EXPERTS_BY_ID["pallas_interpret"] = ContiguousExperts(
-        gemm="xla", permute_impl="pallas_interpret"
-    )
+EXPERTS_BY_ID = {
+    "xla": "xla",
+    "xla_masked": "xla_masked",
+    "pallas_interpret": ContiguousExperts(
+        gemm="xla", permute_impl="pallas_interpret", act_quant_impl="pallas_interpret"
+    ),
+}
 EXPERTS = [pytest.param(e, id=name) for name, e in EXPERTS_BY_ID.items()]
 
 # Output tolerances against the oracle rounded to the output dtype (outputs are O(1)).
@@ -313,16 +298,20 @@ def test_modular_moe_matches_fused_moe_with_an_experts_object():
 
 
 def test_masked_experts_with_small_max_m_drop_overflow():
-    """MaskedExperts(max_m) keeps the first max_m pairs per expert in (token, slot) order."""
+    """MaskedExperts(max_m) keeps the first max_m tokens per expert in token order; a token that
+    repeats an expert takes one row there, and its slots share it."""
     from moe_jax import MaskedExperts
 
     problem = Problem("T6_H32_I16_E2_k2", 6, 32, 16, 2, 2)
     inputs = make_inputs(problem, "float32", np.random.default_rng(8))
     inputs.topk_ids[:] = [[0, 1], [0, 0], [1, 1], [0, 1], [1, 0], [0, 0]]
     out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla", max_m=4))
-    # Expert 0 keeps pairs (0,0), (1,0), (1,1), (3,0); expert 1 keeps (0,1), (2,0), (2,1), (3,1).
+    with pytest.raises(ValueError, match="exceeds the per-expert capacity of 6 rows"):
+        run(inputs, jit=True, experts=MaskedExperts(gemm="xla", max_m=7))
+    # Expert 0 holds tokens 0, 1 (both slots), 3, 4 and drops token 5 (both slots);
+    # expert 1 holds tokens 0, 2 (both slots), 3, 4.
     kept = inputs.topk_ids.copy()
-    kept[4:] = -1
+    kept[5:] = -1
     assert_close(out, expected(dataclasses.replace(inputs, topk_ids=kept)), "float32")
 
 
@@ -411,10 +400,9 @@ BAD_INPUTS = [
     pytest.param(
         dict(experts="cutlass"),
         ValueError,
-        r"unknown experts 'cutlass'.*" + ".*".join(EXPERTS_NAMES),
+        r"unknown experts 'cutlass'.*" + ".*".join(experts_names()),
         id="experts_name",
     ),
-    pytest.param(dict(block_shape=(64, 64)), ValueError, r"block_shape", id="block_shape"),
 ]
 
 

@@ -43,7 +43,7 @@ def make_config(model_type, *, hidden=32, inter=16, experts=8, topk=2, **extra) 
             num_local_experts=experts,
             num_experts_per_tok=topk,
         )
-    elif model_type == "qwen3_moe":
+    elif model_type in ("qwen3_moe", "qwen2_moe"):
         cfg = dict(
             hidden_size=hidden,
             moe_intermediate_size=inter,
@@ -281,9 +281,16 @@ def test_load_into_existing_layer_casts_and_returns_it():
 
 
 def test_detect_naming():
-    for model_type in ("mixtral", "qwen3_moe", "deepseek_v3"):
-        sd = make_state_dict(make_config(model_type))
-        assert detect_hf_naming(sd, PREFIX) == model_type
+    expected = {
+        "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"), None, False),
+        "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"), None, False),
+        "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "shared_experts", True),
+    }
+    for model_type, (module, projections, shared, has_bias) in expected.items():
+        naming = detect_hf_naming(make_state_dict(make_config(model_type)), PREFIX)
+        assert (naming.module, naming.projections, naming.shared) == (module, projections, shared)
+        assert naming.has_correction_bias == has_bias and not naming.is_fused
+        assert not naming.is_fp8
 
 
 def test_missing_keys_are_listed():
@@ -296,18 +303,31 @@ def test_missing_keys_are_listed():
     assert "model.layers.3.mlp.shared_experts.down_proj.weight" in str(info.value)
 
 
-def test_wrong_prefix_and_unsupported_namings():
+def test_wrong_prefix_dense_layer_and_unsupported_configs():
     sd = make_state_dict(CASES["mixtral"])
     with pytest.raises(ValueError, match="no MoE router under prefix 'model.layers.4.'"):
         hf_moe_params(sd, "model.layers.4.")
-    qwen2 = make_state_dict(CASES["qwen3_moe"])
-    qwen2[PREFIX + "mlp.shared_expert.gate_proj.weight"] = np.zeros((16, 32), np.float32)
-    with pytest.raises(NotImplementedError, match="Qwen2-MoE"):
-        hf_moe_params(qwen2, PREFIX)
-    with pytest.raises(ValueError, match="model_type='llama'"):
+    dense = {PREFIX + f"mlp.{p}.weight": np.zeros((4, 4)) for p in ("gate_proj", "up_proj")}
+    with pytest.raises(ValueError, match="dense MLP"):
+        hf_moe_params(dense, PREFIX)
+    with pytest.raises(ValueError, match="model_type='llama'.*mixtral, qwen3_moe, qwen2_moe"):
         moe_kwargs_from_hf_config({"model_type": "llama"})
-    with pytest.raises(ValueError, match="noaux_tc"):
+    with pytest.raises(NotImplementedError, match="topk_method='greedy'.*'noaux_tc'"):
         moe_kwargs_from_hf_config(make_config("deepseek_v3", topk_method="greedy"))
+    with pytest.raises(NotImplementedError, match="scoring_func='softmax'"):
+        moe_kwargs_from_hf_config(make_config("deepseek_v3", scoring_func="softmax"))
+    with pytest.raises(NotImplementedError, match="hidden_act='relu'.*silu"):
+        moe_kwargs_from_hf_config(make_config("mixtral", hidden_act="relu"))
+    awq = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(NotImplementedError, match="quant_method='awq'.*'fp8'"):
+        moe_kwargs_from_hf_config(make_config("qwen3_moe", quantization_config=awq))
+    fp8_64 = {"quant_method": "fp8", "weight_block_size": [64, 64]}
+    with pytest.raises(NotImplementedError, match=r"weight_block_size=\[64, 64\]"):
+        moe_kwargs_from_hf_config(make_config("deepseek_v3", quantization_config=fp8_64))
+    with pytest.raises(ValueError, match="lacks 'moe_intermediate_size'"):
+        moe_kwargs_from_hf_config({"model_type": "qwen3_moe", "hidden_size": 8})
+    with pytest.raises(TypeError, match="config is a list"):
+        moe_kwargs_from_hf_config([("model_type", "mixtral")])
 
 
 def test_layer_checkpoint_mismatch_errors():

@@ -10,6 +10,7 @@ import numpy as np
 import oracles
 import pytest
 
+from moe_jax.act_quant import act_and_quant_reference, group_quant_reference
 from moe_jax.kernels.act_quant import (
     COMPILED_ACTIVATIONS,
     ActQuantConfig,

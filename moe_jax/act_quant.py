@@ -1,0 +1,92 @@
+"""FP8 activation quantization ops, each with a registry of implementations.
+
+- `group_quant`: the layer input, per token per `group_size` columns (vLLM's
+  `per_token_group_quant_fp8`).
+- `act_and_quant`: act(gate) * up on the first GEMM's output, then the same quantization for the
+  second GEMM, fused into one pass where a kernel exists.
+
+Implementations, chosen by `impl` through `moe_jax.registry`: "xla" (`moe_jax.quant` and
+`moe_jax.activation`, everywhere), "pallas" (`moe_jax.kernels.act_quant`, NVIDIA GPUs; the
+compiled act + quant kernel lowers silu only), "pallas_interpret" (CPU tests), and "auto"
+("pallas" on a GPU where it runs, else "xla").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import quant
+from moe_jax.activation import act_and_mul
+from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, pallas_then_xla
+
+_KERNELS = "moe_jax.kernels.act_quant"
+
+
+def group_quant_reference(x: jax.Array, *, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
+    """Pure-JAX `group_quant`: `quant.per_token_group_quant_fp8`."""
+    return quant.per_token_group_quant_fp8(x, group_size)
+
+
+def act_and_quant_reference(
+    h: jax.Array, *, activation: str = "silu", group_size: int = 128
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-JAX `act_and_quant`: `act_and_mul` then `quant.per_token_group_quant_fp8`."""
+    return quant.per_token_group_quant_fp8(act_and_mul(h, activation), group_size)
+
+
+GROUP_QUANTS = Registry(
+    "group_quant",
+    preference=pallas_then_xla,
+    modules={"pallas": _KERNELS, "pallas_interpret": _KERNELS},
+)
+ACT_QUANTS = Registry(
+    "act_and_quant",
+    preference=pallas_then_xla,
+    modules={"pallas": _KERNELS, "pallas_interpret": _KERNELS},
+)
+GROUP_QUANTS.register(FunctionImpl("xla", group_quant_reference))
+ACT_QUANTS.register(FunctionImpl("xla", act_and_quant_reference))
+
+
+def group_quant(
+    x: jax.Array, *, group_size: int = 128, impl: str = AUTO
+) -> tuple[jax.Array, jax.Array]:
+    """FP8 per-token-group quantization of tokens.
+
+    Args:
+      x: bf16/float16/float32[M, H] tokens; H a multiple of `group_size`.
+      group_size: columns per scale.
+      impl: "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
+
+    Returns:
+      (q float8_e4m3fn[M, H], scales float32[M, H // group_size]).
+
+    Example:
+      >>> q, s = group_quant(jnp.full((1, 128), 2.0))
+      >>> float(s[0, 0] * 448)
+      2.0
+    """
+    problem = OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(x.dtype).name)
+    return GROUP_QUANTS.select(impl, problem)(x, group_size=group_size)
+
+
+def act_and_quant(
+    h: jax.Array, *, activation: str = "silu", group_size: int = 128, impl: str = AUTO
+) -> tuple[jax.Array, jax.Array]:
+    """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
+
+    Args:
+      h: bf16/float16/float32[M, 2I] output of the first GEMM; I a multiple of `group_size`.
+      activation: "silu" or "gelu".
+      group_size: columns per scale (128 in vLLM's block recipe).
+      impl: as for `group_quant`; the compiled kernel refuses activations it cannot lower, so
+        "auto" takes XLA for those.
+
+    Returns:
+      (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
+    """
+    problem = OpProblem(
+        platform=jax.default_backend(), dtype=jnp.dtype(h.dtype).name, activation=activation
+    )
+    return ACT_QUANTS.select(impl, problem)(h, activation=activation, group_size=group_size)

@@ -1,0 +1,214 @@
+"""One way to choose among implementations of an op: by name, with reasons, and "auto".
+
+Every op with several implementations (grouped GEMM, permute, unpermute, token quantization,
+act + quantization, and their backward ops) keeps one `Registry`. An implementation is any object
+with a `name` and an `unsupported_reason(problem) -> str | None` method; the problem is the op's
+frozen dataclass of static facts (shapes, dtypes, platform).
+
+Choosing, the same for every op:
+
+- a name runs that implementation or raises `NoImplementationError` with its reason;
+- an implementation object is used as given, after the same check;
+- `"auto"` tries the op's preference for the problem, in order, and takes the first that runs;
+  when all refuse, the error lists every reason.
+
+Implementations in other modules (Pallas kernels, torch-hosted libraries) are listed by module
+name and imported on first use, so one whose library is missing stays listed and says why.
+
+Example:
+  >>> import dataclasses
+  >>> @dataclasses.dataclass(frozen=True)
+  ... class Problem:
+  ...     platform: str
+  >>> @dataclasses.dataclass(frozen=True)
+  ... class Impl:
+  ...     name: str
+  ...     platforms: tuple[str, ...]
+  ...     def unsupported_reason(self, problem):
+  ...         if problem.platform not in self.platforms:
+  ...             return f"runs on {self.platforms}, not {problem.platform}"
+  ...         return None
+  >>> ops = Registry("demo op", preference=lambda problem: ("fast", "slow"))
+  >>> _ = ops.register(Impl("fast", ("gpu",))), ops.register(Impl("slow", ("cpu", "gpu")))
+  >>> ops.select("auto", Problem("cpu")).name
+  'slow'
+  >>> try:
+  ...     ops.select("fast", Problem("cpu"))
+  ... except NoImplementationError as error:
+  ...     print(error.refusals)
+  {'fast': "runs on ('gpu',), not cpu"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+AUTO = "auto"
+
+
+class Implementation(Protocol):
+    """What a registry holds: a name and a reason to refuse a problem (None: it runs)."""
+
+    name: str
+
+    def unsupported_reason(self, problem: Any) -> str | None: ...
+
+
+ImplT = TypeVar("ImplT", bound=Implementation)
+
+
+class NoImplementationError(NotImplementedError):
+    """No implementation (of those asked for) runs the problem.
+
+    Attributes:
+      refusals: implementation name -> why it refused.
+    """
+
+    def __init__(self, op: str, problem: Any, refusals: Mapping[str, str]):
+        self.refusals = dict(refusals)
+        reasons = "; ".join(f"{name}: {why}" for name, why in self.refusals.items())
+        super().__init__(f"no {op} implementation runs {problem}: {reasons}")
+
+
+class Registry(Generic[ImplT]):
+    """Implementations of one op by name, and the rule that picks one.
+
+    Args:
+      op: what the op is called in messages ("grouped GEMM", "permute", ...).
+      preference: problem -> names in the order "auto" tries them. Names left out are never
+        picked automatically (interpret-mode kernels, for instance) but run when named.
+      modules: name -> module that registers that implementation when imported.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        *,
+        preference: Callable[[Any], Sequence[str]],
+        modules: Mapping[str, str] | None = None,
+    ):
+        self.op = op
+        self._preference = preference
+        self._modules = dict(modules or {})
+        self._impls: dict[str, ImplT] = {}
+
+    def register(self, impl: ImplT) -> ImplT:
+        """Adds `impl` under `impl.name`; a second registration under one name is an error."""
+        name = getattr(impl, "name", "")
+        if not name or name == AUTO:
+            raise ValueError(f"{impl!r} needs a name other than {AUTO!r} to be registered")
+        if name in self._impls and self._impls[name] is not impl:
+            raise ValueError(f"a {self.op} implementation named {name!r} is already registered")
+        self._impls[name] = impl
+        return impl
+
+    def names(self) -> tuple[str, ...]:
+        """Every name `get` accepts (registered or importable), sorted."""
+        return tuple(sorted(set(self._modules) | set(self._impls)))
+
+    def get(self, name: str) -> ImplT:
+        """The implementation registered as `name`, importing its module on first use."""
+        if name not in self._impls and name in self._modules:
+            importlib.import_module(self._modules[name])
+        if name not in self._impls:
+            raise ValueError(
+                f"unknown {self.op} implementation {name!r}; choose from {[AUTO, *self.names()]}"
+            )
+        return self._impls[name]
+
+    def preference(self, problem: Any) -> tuple[str, ...]:
+        """The names "auto" tries for `problem`, in order."""
+        return tuple(self._preference(problem))
+
+    def select(self, choice: str | ImplT, problem: Any) -> ImplT:
+        """The implementation that runs `problem`: `choice` itself, or for "auto" the first in
+        `preference(problem)` that accepts it.
+
+        Raises:
+          TypeError: `choice` is neither a name nor an implementation.
+          ValueError: unknown name.
+          NoImplementationError: the chosen (or every preferred) implementation refuses.
+        """
+        if isinstance(choice, str):
+            names = self.preference(problem) if choice == AUTO else (choice,)
+            candidates = [self.get(name) for name in names]
+        elif callable(getattr(choice, "unsupported_reason", None)):
+            candidates = [choice]
+        else:
+            raise TypeError(
+                f"{self.op} implementation {choice!r}: pass {AUTO!r}, one of "
+                f"{list(self.names())}, or an object with unsupported_reason()"
+            )
+        refusals = {}
+        for impl in candidates:
+            why = impl.unsupported_reason(problem)
+            if why is None:
+                return impl
+            refusals[impl.name] = why
+        raise NoImplementationError(self.op, problem, refusals)
+
+    def reasons(self, problem: Any) -> dict[str, str | None]:
+        """name -> why it refuses `problem` (None where it runs), for every known implementation."""
+        out = {}
+        for name in self.names():
+            try:
+                out[name] = self.get(name).unsupported_reason(problem)
+            except ImportError as error:
+                out[name] = f"cannot be imported: {error}"
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpProblem:
+    """Static facts that the data-movement and elementwise ops decide on.
+
+    Used by permute, unpermute, token counting, `group_quant` and `act_and_quant`, whose
+    implementations differ in where they run (and, for act + quant, which activations the
+    compiled kernel lowers), not in shape limits.
+
+    Attributes:
+      platform: "cpu", "gpu", ... as `jax.default_backend()` names it.
+      dtype: name of the main operand's dtype.
+      activation: the gated activation, for act + quant; None elsewhere.
+    """
+
+    platform: str
+    dtype: str
+    activation: str | None = None
+
+
+def pallas_then_xla(problem: OpProblem) -> tuple[str, ...]:
+    """The preference of the Pallas-kernel ops: the compiled kernel on a GPU, else XLA.
+
+    Interpret mode ("pallas_interpret") is never picked automatically: it is a CPU test vehicle
+    for the kernels, orders of magnitude slower than XLA.
+    """
+    return ("pallas", "xla") if problem.platform == "gpu" else ("xla",)
+
+
+def _runs_anywhere(problem: Any) -> None:
+    del problem
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionImpl:
+    """An implementation that is one function plus its refusal rule.
+
+    Attributes:
+      name: registry name.
+      fn: the function; calling the implementation calls it.
+      refuse: problem -> reason it cannot run (None: it runs).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    refuse: Callable[[Any], str | None] = _runs_anywhere
+
+    def unsupported_reason(self, problem: Any) -> str | None:
+        return self.refuse(problem)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
