@@ -11,7 +11,7 @@ from moe_jax import quant
 from moe_jax.fused_moe import fused_moe
 from moe_jax.reference import moe_reference
 from moe_jax.routing import grouped_topk
-from moe_jax.timing import rel_error, time_jax
+from moe_jax.cli.timing import rel_error, time_jax
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
