@@ -324,7 +324,7 @@ def test_wrong_prefix_dense_layer_and_unsupported_configs():
     fp8_64 = {"quant_method": "fp8", "weight_block_size": [64, 64]}
     with pytest.raises(NotImplementedError, match=r"weight_block_size=\[64, 64\]"):
         moe_kwargs_from_hf_config(make_config("deepseek_v3", quantization_config=fp8_64))
-    with pytest.raises(ValueError, match="lacks 'moe_intermediate_size'"):
+    with pytest.raises(ValueError, match="lacks 'num_experts_per_tok'"):
         moe_kwargs_from_hf_config({"model_type": "qwen3_moe", "hidden_size": 8})
     with pytest.raises(TypeError, match="config is a list"):
         moe_kwargs_from_hf_config([("model_type", "mixtral")])
