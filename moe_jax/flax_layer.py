@@ -12,12 +12,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from flax.nnx.nn import initializers
+
+try:
+    from flax import nnx
+    from flax.nnx.nn import initializers
+except ImportError as error:  # flax is an optional extra
+    raise ImportError(
+        f"moe_jax.flax_layer needs Flax: pip install 'moe_jax[flax]' ({error})"
+    ) from error
 
 from moe_jax import quant
 from moe_jax.activation import act_and_mul, check_activation
-from moe_jax.experts import Experts
+from moe_jax.experts import Experts, resolve_experts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.routing import SCORING_FUNCS, fused_topk, grouped_topk
 
@@ -154,8 +160,11 @@ class MoE(nnx.Module):
             raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}]")
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError(f"chunk_size={chunk_size} must be positive or None")
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
+        ):
+            raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None")
+        resolve_experts(experts)  # an unknown name fails here, not at the first call
         if not isinstance(router, RouterConfig):
             raise TypeError(f"router is a {type(router).__name__}; pass a RouterConfig")
         if router.is_grouped:
@@ -297,6 +306,11 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the layer to x [..., H]; returns [..., H] in the compute dtype."""
         x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == quant.FP8_DTYPE:
+            raise TypeError(
+                f"x.dtype={x.dtype} but bfloat16, float16 or float32 tokens are needed "
+                "(cast integer inputs, e.g. x.astype(jnp.float32))"
+            )
         if x.ndim < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x.shape={x.shape} but [..., H={self.hidden_size}] is needed")
         lead = x.shape[:-1]

@@ -48,10 +48,20 @@ def check_moe_inputs(
     w1, w2 = weights.w1, weights.w2
     if w1.ndim != 3 or w2.ndim != 3:
         raise ValueError(f"{w1.shape=} and {w2.shape=} must be [E, 2I, H] and [E, H, I]")
-    num_experts, two_i, w1_hidden = w1.shape
-    inter = two_i // 2
-    if w1_hidden != hidden or two_i != 2 * inter:
-        raise ValueError(f"w1.shape={w1.shape} but [E, 2I, H={hidden}] with even 2I is needed")
+    # H comes from hidden_states, E from w1, I from w2; name whichever disagrees with the rest.
+    num_experts, inter = w1.shape[0], w2.shape[2]
+    if w1.shape[2] != hidden and w2.shape[1] == w1.shape[2]:
+        raise ValueError(
+            f"hidden_states.shape={hidden_states.shape} but the weights have H={w1.shape[2]} "
+            f"(w1.shape={w1.shape}, w2.shape={w2.shape}): the last dimension of hidden_states "
+            "must be the weights' H"
+        )
+    if w1.shape[2] != hidden or w1.shape[1] != 2 * inter:
+        raise ValueError(
+            f"w1.shape={w1.shape} but [E, 2I, H] = {(num_experts, 2 * inter, hidden)} is needed "
+            f"(H from hidden_states.shape={hidden_states.shape}, I from w2.shape={w2.shape}; "
+            "w1 holds the gate rows, then the up rows)"
+        )
     if w2.shape != (num_experts, hidden, inter):
         raise ValueError(
             f"w2.shape={w2.shape} but [E, H, I] = {(num_experts, hidden, inter)} "
@@ -76,6 +86,14 @@ def check_moe_inputs(
                 )
     elif not jnp.issubdtype(w1.dtype, jnp.floating):
         raise TypeError(f"w1.dtype={w1.dtype}; use a float dtype or float8_e4m3fn with scales")
+    else:
+        for name, s in (("w1_scale", weights.w1_scale), ("w2_scale", weights.w2_scale)):
+            if s is not None:
+                raise ValueError(
+                    f"{name} was given but w1.dtype={w1.dtype}: block scales belong to "
+                    "float8_e4m3fn weights (quantize with moe_jax.quant.per_block_quant_fp8, "
+                    "or drop the scales)"
+                )
     if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids.shape={topk_ids.shape} but [T={num_tokens}, k] is needed")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
@@ -95,6 +113,12 @@ def check_moe_inputs(
             raise ValueError(
                 f"expert_map is {expert_map.dtype}{list(expert_map.shape)} but "
                 "int[E_global] is needed"
+            )
+        if expert_map.shape[0] < num_experts:
+            raise ValueError(
+                f"expert_map.shape={expert_map.shape} maps fewer global experts than the "
+                f"{num_experts} local experts of w1.shape={w1.shape}: pass int[E_global] with "
+                "E_global >= E (ids at or past E_global contribute nothing)"
             )
         if global_num_experts is not None and expert_map.shape[0] != global_num_experts:
             raise ValueError(
@@ -125,8 +149,11 @@ class ModularMoE:
     chunk_size: int | None = None
 
     def __post_init__(self):
-        if self.chunk_size is not None and self.chunk_size <= 0:
-            raise ValueError(f"chunk_size={self.chunk_size} must be positive or None")
+        chunk = self.chunk_size
+        if chunk is not None and (
+            not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0
+        ):
+            raise ValueError(f"chunk_size={chunk!r} must be a positive int or None")
 
     def __call__(
         self,
@@ -166,6 +193,13 @@ class ModularMoE:
           ([T, H] in the input dtype, the `PreparedTokens` the experts saw, None when T == 0);
           an expert-parallel prepare's tokens carry its dispatch statistics.
         """
+        # NumPy (or other array-like) inputs become jax arrays here, at the boundary.
+        hidden_states, w1, w2, topk_weights, topk_ids = map(
+            jnp.asarray, (hidden_states, w1, w2, topk_weights, topk_ids)
+        )
+        w1_scale, w2_scale, expert_map = (
+            None if a is None else jnp.asarray(a) for a in (w1_scale, w2_scale, expert_map)
+        )
         weights = ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale)
         check_moe_inputs(
             hidden_states,

@@ -354,7 +354,26 @@ BAD_INPUTS = [
         r"hidden_states\.dtype",
         id="x_int",
     ),
-    pytest.param(dict(hidden_states=jnp.ones((3, 64))), ValueError, r"w1\.shape", id="x_width"),
+    pytest.param(
+        dict(hidden_states=jnp.ones((3, 64))),
+        ValueError,
+        r"hidden_states\.shape=\(3, 64\) but the weights have H=32",
+        id="x_width",
+    ),
+    pytest.param(
+        dict(w1=jnp.ones((4, 16, 32))), ValueError, r"w1\.shape=\(4, 16, 32\)", id="w1_e_i_h"
+    ),
+    pytest.param(
+        dict(w1_scale=jnp.ones((4, 1, 1))), ValueError, r"w1_scale was given", id="float_scales"
+    ),
+    pytest.param(
+        dict(expert_map=jnp.zeros((2,), jnp.int32)),
+        ValueError,
+        r"expert_map\.shape=\(2,\) maps fewer",
+        id="map_short",
+    ),
+    pytest.param(dict(chunk_size=4.5), ValueError, r"chunk_size=4\.5", id="chunk_float"),
+    pytest.param(dict(chunk_size=0), ValueError, r"chunk_size=0", id="chunk_zero"),
     pytest.param(dict(w2=jnp.ones((4, 32, 8))), ValueError, r"w2\.shape", id="w2_inter"),
     pytest.param(dict(w2=jnp.ones((3, 32, 16))), ValueError, r"w2\.shape", id="w2_experts"),
     pytest.param(dict(w1=jnp.ones((4, 31, 32))), ValueError, r"w1\.shape", id="w1_odd_2i"),
@@ -410,6 +429,15 @@ BAD_INPUTS = [
 def test_bad_input_raises_naming_the_argument(change, error, match):
     with pytest.raises(error, match=match):
         _call(_good(), **change)
+
+
+def test_numpy_inputs_equal_jax_inputs():
+    """NumPy arrays are accepted everywhere (weights included) and give the same result."""
+    good = _good()
+    as_numpy = {k: None if v is None else np.asarray(v) for k, v in good.items()}
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda: _call(as_numpy))()), np.asarray(_call(good))
+    )
 
 
 @pytest.mark.parametrize("hidden,inter", [(64, 128), (128, 64), (192, 128)])
