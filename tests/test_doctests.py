@@ -37,7 +37,7 @@ def test_docstring_examples(name):
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     globs = {"jnp": importlib.import_module("jax.numpy"), "np": importlib.import_module("numpy")}
-    for test in finder.find(module, name, globs=dict(globs)):
+    for test in finder.find(module, name, extraglobs=globs):
         runner.run(test)
     results = runner.summarize(verbose=False)
     assert results.failed == 0, f"{results.failed} docstring example(s) of {name} failed (above)"
