@@ -2,8 +2,9 @@
 
 `bridge.torch_callback` runs a torch function on XLA's buffers and stream; the GEMM backends
 "torch" and "deep_gemm" register themselves with `moe_jax.grouped_gemm` when imported (the registry
-imports them on first use). `deep_ep` holds the DeepEP expert-parallel adapters. torch, deep_gemm
-and deep_ep are imported only when a call needs them.
+imports them on first use). `deep_ep` holds the DeepEP expert-parallel adapters (one process per
+GPU, started with `moe_jax.distributed.init_distributed`). torch, deep_gemm and deep_ep are
+imported only when a call needs them.
 """
 
 from moe_jax.interop import deep_ep_layouts
@@ -12,20 +13,25 @@ from moe_jax.interop.deep_ep import (
     DEEP_EP_INSTALL_HINT,
     DeepEPHighThroughput,
     DeepEPLowLatency,
-    DeepEPProblem,
     deep_ep_ll_moe,
-    init_distributed,
+    make_high_throughput_buffer,
+    make_low_latency_buffer,
 )
+from moe_jax.interop.deep_ep_layouts import DeepEPProblem, HTHandle, LLDispatched, LLHandle
 
 __all__ = [
     "DEEP_EP_INSTALL_HINT",
     "DeepEPHighThroughput",
     "DeepEPLowLatency",
     "DeepEPProblem",
+    "HTHandle",
+    "LLDispatched",
+    "LLHandle",
     "TORCH_INSTALL_HINT",
     "deep_ep_layouts",
     "deep_ep_ll_moe",
     "import_torch",
-    "init_distributed",
+    "make_high_throughput_buffer",
+    "make_low_latency_buffer",
     "torch_callback",
 ]

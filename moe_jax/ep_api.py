@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from moe_jax.expert_parallel import AllToAllPrepareFinalize, EPConfig, EPStats, axis_size
-from moe_jax.experts import ContiguousExperts, Experts
+from moe_jax.expert_parallel import AllToAllPrepareFinalize, EPConfig, EPStats
+from moe_jax.experts import Experts, resolve_experts
 from moe_jax.modular import ModularMoE
 
 
@@ -23,7 +23,7 @@ def ep_moe(
     *,
     config: EPConfig,
     num_experts: int | None = None,
-    experts: Experts | None = None,
+    experts: str | Experts = "auto",
     activation: str = "silu",
     w1_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
@@ -40,7 +40,9 @@ def ep_moe(
       topk_ids: int[T, k] global expert ids; ids outside [0, E) go nowhere.
       config: `EPConfig` (axis, capacity, transport).
       num_experts: E, global; None means E_local * R.
-      experts: runs the local experts; None means `ContiguousExperts(gemm="xla")`.
+      experts: runs the local experts: a name (`moe_jax.experts.experts_names`) or an `Experts`
+        object; "auto" is `ContiguousExperts()`, every stage chosen by its registry (as
+        `fused_moe`).
       activation, w1_scale, w2_scale, apply_router_weight_on_input: as `moe_jax.fused_moe`.
       chunk_size: run the experts over chunks of at most this many received rows.
 
@@ -53,7 +55,7 @@ def ep_moe(
       f = jax.shard_map(functools.partial(ep_moe, config=EPConfig(axis_name="ep")), mesh=mesh,
                         in_specs=P("ep"), out_specs=(P("ep"), P()), check_vma=False)
     """
-    num_ranks = axis_size(config.axis_name)
+    num_ranks = jax.lax.axis_size(config.axis_name)
     num_experts = w1.shape[0] * num_ranks if num_experts is None else num_experts
     if w1.shape[0] * num_ranks != num_experts:
         raise ValueError(
@@ -62,7 +64,7 @@ def ep_moe(
         )
     layer = ModularMoE(
         AllToAllPrepareFinalize(config, num_experts),
-        experts if experts is not None else ContiguousExperts(gemm="xla"),
+        resolve_experts(experts),
         chunk_size=chunk_size,
     )
     out, prepared = layer.forward(
@@ -84,15 +86,6 @@ def ep_moe(
     return out, prepared.handle.stats
 
 
-def shard_map(f, *, mesh, in_specs, out_specs):
-    """`jax.shard_map` (jax >= 0.7) or `jax.experimental.shard_map.shard_map`, unchecked."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map as legacy_shard_map
-
-    return legacy_shard_map(f, mesh, in_specs, out_specs, check_rep=False)
-
-
 def ep_fused_moe(
     mesh: jax.sharding.Mesh,
     hidden_states: jax.Array,
@@ -104,7 +97,7 @@ def ep_fused_moe(
     axis_name: str,
     capacity_per_rank: int | None = None,
     transport: str = "auto",
-    experts: Experts | None = None,
+    experts: str | Experts = "auto",
     activation: str = "silu",
     w1_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
@@ -163,11 +156,12 @@ def ep_fused_moe(
 
     spec = PartitionSpec(axis_name)
     scale_spec = None if w1_scale is None else spec
-    mapped = shard_map(
+    mapped = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(spec, spec, spec, spec, spec, scale_spec, scale_spec),
         out_specs=(spec, EPStats(num_routed_per_rank=spec, num_dropped=spec)),
+        check_vma=False,
     )
     args = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale)
     # Lay the inputs out as the specs say (an Explicit-axes mesh will not reshard implicitly).

@@ -94,7 +94,7 @@ def run_case(case: Case, mesh):
     from moe_jax.ep_api import ep_fused_moe
 
     x, w1, w2, weights, ids, kwargs = layer_args(case, make_inputs(case))
-    experts, chunk = None, None
+    experts, chunk = "auto", None
     if case.experts == "masked_chunked":
         experts, chunk = MaskedExperts(gemm="xla"), 40
     out, stats = ep_fused_moe(

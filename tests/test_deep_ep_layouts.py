@@ -9,6 +9,7 @@ the count. Summing every rank's result as DeepEP's combine does must give single
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -125,10 +126,11 @@ def test_ll_masked_layout_scales_and_combine_equal_fused_moe(fp8):
             jnp.asarray(counts),
             local_weights(w1, w2, scales, r),
             call=ExpertsCall(quant_config=quant_config, out_dtype=jnp.bfloat16),
+            num_pairs=x.shape[0] * K,
             expected_m=dl.ll_expected_m(x.shape[0], K, E, t_tot),
         )
-        assert not np.isnan(np.asarray(y, np.float32)).any()
-        for (t, j), (e, row) in row_of.items():  # LL combine: weighted sum
+        for (t, j), (e, row) in row_of.items():  # LL combine: weighted sum of valid rows only
+            assert not np.isnan(np.asarray(y[e, row], np.float32)).any()
             total[t] += float(weights[t, j]) * np.asarray(y[e, row], np.float64)
     expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
     np.testing.assert_allclose(total, np.asarray(expected, np.float64), rtol=3e-2, atol=3e-2)
@@ -160,6 +162,12 @@ def test_dispatch_ids_and_limits():
     with pytest.raises(ValueError, match=r"\(2, 4, 8\) ranks"):
         dl.check_ht(num_ranks=3, hidden=7168, hidden_itemsize=2)
     dl.check_ht(num_ranks=8, hidden=7168, hidden_itemsize=2)
+    # 16-byte rows: H=7176 is fine in bf16 (14352 bytes) but not in FP8 (7176 bytes).
+    dl.check_ht(num_ranks=2, hidden=7176, hidden_itemsize=2)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        dl.check_ht(num_ranks=2, hidden=7176, hidden_itemsize=1)
+    with pytest.raises(ValueError, match="one scale per 128"):
+        dl.check_ht(num_ranks=2, hidden=7184, hidden_itemsize=1)
     ok = dict(
         num_ranks=8,
         hidden=7168,
@@ -185,12 +193,140 @@ def test_adapters_refuse_unsupported_problems_before_touching_deep_ep():
 
     problem = dict(rank=0, num_experts=64, num_tokens=128, hidden=7168, num_topk=8)
     with pytest.raises(ValueError, match="2, 4, 8"):
-        dep.DeepEPHighThroughput(buffer=None, problem=dep.DeepEPProblem(num_ranks=3, **problem))
+        dep.DeepEPHighThroughput(buffer=None, problem=dl.DeepEPProblem(num_ranks=3, **problem))
+    with pytest.raises(ValueError, match="even SM count"):
+        dep.DeepEPHighThroughput(
+            buffer=None, problem=dl.DeepEPProblem(num_ranks=2, **problem), num_sms=21
+        )
     with pytest.raises(ValueError, match="hidden sizes"):
         dep.DeepEPLowLatency(
-            buffer=None, problem=dep.DeepEPProblem(num_ranks=8, **{**problem, "hidden": 1000})
+            buffer=None, problem=dl.DeepEPProblem(num_ranks=8, **{**problem, "hidden": 1000})
         )
-    assert dep.DeepEPProblem(num_ranks=8, **problem).num_local_experts == 8
+    with pytest.raises(ValueError, match="recv_copy"):
+        dep.DeepEPLowLatency(
+            buffer=None, problem=dl.DeepEPProblem(num_ranks=8, **problem), recv_copy="some"
+        )
+    assert dl.DeepEPProblem(num_ranks=8, **problem).num_local_experts == 8
+
+
+def test_topk_idx_words_are_int64_bytes():
+    ids = np.array([[0, 5, -1], [7, 8, -3]])
+    words = np.asarray(dl.topk_idx_words(jnp.asarray(ids, jnp.int32), num_experts=8))
+    assert words.dtype == np.int32 and words.shape == (2, 3, 2)
+    expected = np.where((ids >= 0) & (ids < 8), ids, -1).astype(np.int64)
+    np.testing.assert_array_equal(np.ascontiguousarray(words).view("<i8")[..., 0], expected)
+
+
+def test_ht_handle_shapes_name_every_part():
+    problem = dl.DeepEPProblem(
+        num_ranks=4, rank=1, num_experts=16, num_tokens=6, hidden=256, num_topk=2
+    )
+    shapes = dl.HTHandle.shapes(problem, num_channels=10)
+    assert shapes.rank_prefix_matrix.shape == (4, 4)
+    assert shapes.channel_prefix_matrix.shape == shapes.recv_channel_prefix_matrix.shape == (4, 10)
+    assert shapes.recv_src_idx.shape == (24,)
+    assert shapes.is_token_in_rank.shape == (6, 4) and shapes.is_token_in_rank.dtype == jnp.int8
+    assert shapes.send_head.shape == (6, 4)
+    assert len(jax.tree.leaves(shapes)) == 6  # crosses jit as a pytree
+
+
+class FakeLowLatencyBuffer:
+    """DeepEP V1's `low_latency_dispatch`/`low_latency_combine` on one rank (R=1), in torch on
+    the CPU, written from the documented contract: [E, T_max, H] receive rows (one per selected
+    expert, stale rows NaN), FP8 scales allocated [E, H/128, T_max] and returned transposed,
+    int64 ids, a (src_info, layout_range, T_max, H, E) handle, and a weighted combine into `out`.
+    """
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.calls = []
+
+    def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, *, use_fp8, **_):
+        torch = self.torch
+        self.calls.append("dispatch")
+        if topk_idx.dtype != torch.int64 or x.dtype != torch.bfloat16:
+            raise TypeError(f"{topk_idx.dtype=}, {x.dtype=}: DeepEP wants int64 ids, bf16 x")
+        hidden = x.shape[1]
+        rows = torch.full((num_experts, num_max, hidden), float("nan"), dtype=torch.float32)
+        src_info = torch.full((num_experts, num_max), -7, dtype=torch.int32)
+        count = torch.zeros(num_experts, dtype=torch.int32)
+        for t in range(x.shape[0]):
+            for e in topk_idx[t].tolist():
+                if e >= 0:
+                    rows[e, count[e]] = x[t].float()
+                    src_info[e, count[e]] = t
+                    count[e] += 1
+        layout_range = count.to(torch.int64)[:, None]  # opaque to the adapter
+        handle = (src_info, layout_range, num_max, hidden, num_experts)
+        if not use_fp8:
+            return rows.to(torch.bfloat16), count, handle, None, None
+        groups = rows.reshape(num_experts, num_max, hidden // 128, 128)
+        amax = groups.abs().amax(-1).clamp(min=1e-4)
+        q = (groups * (448.0 / amax[..., None])).reshape(rows.shape).to(torch.float8_e4m3fn)
+        storage = (amax / 448.0).transpose(1, 2).contiguous()  # [E, G, T_max]
+        return (q, storage.transpose(1, 2)), count, handle, None, None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, out, **_):
+        torch = self.torch
+        self.calls.append("combine")
+        src_info, layout_range, _, _, _ = handle
+        if layout_range.dtype != torch.int64 or topk_idx.dtype != torch.int64:
+            raise TypeError("the handle's layout_range and the ids must be int64")
+        acc = torch.zeros(out.shape, dtype=torch.float32)
+        for e in range(x.shape[0]):
+            for i in range(int(layout_range[e, 0])):
+                t = int(src_info[e, i])
+                for j in range(topk_idx.shape[1]):
+                    if int(topk_idx[t, j]) == e:
+                        acc[t] += float(topk_weights[t, j]) * x[e, i].float()
+        out.copy_(acc.to(torch.bfloat16))
+        return out, None, None
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatch):
+    torch = pytest.importorskip("torch", reason="the DeepEP adapters call DeepEP through torch")
+    import sys
+    import types
+
+    from moe_jax.interop import deep_ep as dep
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(topk_idx_t=torch.int64))
+    rng = np.random.default_rng(7)
+    num_tokens, num_experts, topk, hidden, inter, t_max = 5, 4, 2, 2048, 128, 8
+    ids = np.stack([rng.permutation(num_experts)[:topk] for _ in range(num_tokens)])
+    ids[3, 1] = -1  # a slot routed nowhere
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 45, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
+    weights = jnp.asarray(rng.random((num_tokens, topk)), jnp.float32)
+    scales = {}
+    if fp8:
+        w1, scales["w1_scale"] = quant.per_block_quant_fp8(w1)
+        w2, scales["w2_scale"] = quant.per_block_quant_fp8(w2)
+    else:
+        w1, w2 = w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16)
+    buffer = FakeLowLatencyBuffer(torch)
+    problem = dl.DeepEPProblem(
+        num_ranks=1,
+        rank=0,
+        num_experts=num_experts,
+        num_tokens=t_max,
+        hidden=hidden,
+        num_topk=topk,
+    )
+    ll = dep.DeepEPLowLatency(buffer=buffer, problem=problem, use_fp8=fp8)
+    expert_weights = ExpertWeights(
+        w1=w1, w2=w2, w1_scale=scales.get("w1_scale"), w2_scale=scales.get("w2_scale")
+    )
+    out = jax.jit(lambda *a: dep.deep_ep_ll_moe(*a, ll=ll))(
+        x, expert_weights, weights, jnp.asarray(ids, jnp.int32)
+    )
+    assert buffer.calls == ["dispatch", "combine"]
+    expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
+    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
+    error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+    assert error < (3e-2 if fp8 else 1e-2), error
 
 
 def test_missing_deep_ep_says_why_and_what_to_do():
@@ -200,6 +336,6 @@ def test_missing_deep_ep_says_why_and_what_to_do():
 
     if importlib.util.find_spec("deep_ep") is not None:
         pytest.skip("deep_ep is installed here")
-    with pytest.raises(ImportError, match="deepinfer-ep 2.5.0") as info:
+    with pytest.raises(ImportError, match="tokenspeed-deepep==1.2.1") as info:
         dep.import_deep_ep()
     assert "2.28.9" in str(info.value) and "moe_jax.expert_parallel" in str(info.value)

@@ -203,7 +203,7 @@ def test_single_rank_mesh_overflow_is_reported():
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="unknown transport"):
+    with pytest.raises(ValueError, match="unknown EP transport implementation 'nccl'"):
         EPConfig(axis_name="ep", transport="nccl")
     with pytest.raises(ValueError, match="capacity_per_rank=0"):
         EPConfig(axis_name="ep", capacity_per_rank=0)
