@@ -47,6 +47,7 @@ def _listing(path: str | Path) -> str:
 
 def _safe_open():
     try:
+        import torch  # noqa: F401  (safe_open(framework="pt") holds bf16 and fp8; numpy cannot)
         from safetensors import safe_open
     except ImportError as e:
         raise ImportError(
