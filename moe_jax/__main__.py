@@ -1,4 +1,9 @@
-"""Command line: `python -m moe_jax demo | bench | info` (also `moe-jax ...` once installed)."""
+"""Command line: `python -m moe_jax demo | bench | info` (also `moe-jax ...` once installed).
+
+The commands live in `moe_jax.cli`, imported only for the command that runs. The per-piece
+benchmarks run as modules: `python -m moe_jax.cli.kernel_bench`, `python -m
+moe_jax.cli.interop_bench`.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moe_jax", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run a small DeepSeek-style FP8 MoE layer and check it")
     demo.add_argument(
@@ -25,35 +30,66 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--breakdown", action="store_true", help="also time each stage of the FP8 forward"
     )
+    bench.add_argument(
+        "--decode", action="store_true", help="time decode-size batches instead (--tokens)"
+    )
+    bench.add_argument(
+        "--tokens", type=int, nargs="+", help="token counts for --decode (default: its own list)"
+    )
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--plot", help="also write a PNG bar chart of the times")
     commands.add_parser(
         "info", help="versions, devices, and which GEMM backends run here (or why not)"
     )
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.decode:
+        if args.shapes or args.variants or args.breakdown:
+            print("--shapes, --variants and --breakdown do not apply to --decode", file=sys.stderr)
+            return 2
+        try:
+            from moe_jax.cli.decode_bench import run_decode_bench
+        except ModuleNotFoundError as error:
+            if error.name != "moe_jax.cli.decode_bench":
+                raise
+            print(
+                "bench --decode needs moe_jax.cli.decode_bench, which this version of moe_jax "
+                "does not have yet",
+                file=sys.stderr,
+            )
+            return 2
+        return run_decode_bench(
+            tokens=args.tokens, iters=args.iters, json_path=args.json, plot_path=args.plot
+        )
+    if args.tokens is not None:
+        print("--tokens applies to bench --decode only", file=sys.stderr)
+        return 2
+    from moe_jax.cli.layer_bench import run_layer_bench
+
+    return run_layer_bench(
+        shapes=args.shapes,
+        variants=args.variants,
+        iters=args.iters,
+        breakdown=args.breakdown,
+        json_path=args.json,
+        plot_path=args.plot,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "info":
-        from moe_jax.info import report
+        from moe_jax.cli.info import report
 
         print(report())
         return 0
-
     if args.command == "bench":
-        from moe_jax import bench as bench_module
+        return _bench(args)
+    from moe_jax.cli.demo import run_demo_command
 
-        return bench_module.main(args)
-
-    if args.command == "demo":
-        from moe_jax.demo import DemoShape, format_table, run_demo
-
-        shape = DemoShape(num_tokens=args.tokens)
-        rows = run_demo(shape, experts=args.experts)
-        print(format_table(shape, rows))
-        worst = max(r["rel_err"] for r in rows)
-        if not worst < 0.1:
-            print(f"FAILED: relative error {worst:.3g} is above 0.1", file=sys.stderr)
-            return 1
-    return 0
+    return run_demo_command(tokens=args.tokens, experts=args.experts)
 
 
 if __name__ == "__main__":

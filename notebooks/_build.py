@@ -33,7 +33,7 @@ backend that works on this machine, and check them against `moe_jax.moe_referenc
 loop over all experts). Small shapes: this runs on a laptop CPU in seconds.
 """),
     code("""
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 import moe_jax
+from moe_jax.cli.timing import time_calls
 from moe_jax.flax_layer import MoE, RouterConfig
 
 print(jax.__version__, jax.default_backend())
@@ -81,9 +82,10 @@ plt.show()
     md("""
 ## Every experts backend that runs here
 
-`moe_jax.EXPERTS_NAMES` lists the backends `fused_moe(experts=...)` accepts. Each one either runs
-or says why not (DeepGEMM and Mosaic need an NVIDIA GPU). Every one that runs must agree with the
-float32 reference on the same routing.
+`moe_jax.experts_names()` lists the backends `fused_moe(experts=...)` accepts. Each one either
+runs or says why not (DeepGEMM and Mosaic need an NVIDIA GPU). Every one that runs must agree with
+the float32 reference on the same routing. Times come from `moe_jax.cli.timing`, the timing loop
+of the project's benchmarks (median of back-to-back calls).
 """),
     code("""
 xb = x[:128]  # the masked layout is [E, T*k, H] per call: keep T small on a CPU
@@ -94,7 +96,7 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 rows = []
-for name in moe_jax.EXPERTS_NAMES:
+for name in moe_jax.experts_names():
     candidate = MoE(H, I, num_experts=E, topk=K, router=router, experts=name, rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda m, x: m(x))
     try:
@@ -103,10 +105,9 @@ for name in moe_jax.EXPERTS_NAMES:
         reason = str(why).splitlines()[0]
         rows.append((name, "refused", "..." + reason[-67:] if len(reason) > 70 else reason, None))
         continue
-    start = time.perf_counter()
-    for _ in range(3):
-        jax.block_until_ready(forward(candidate, xb))
-    ms = (time.perf_counter() - start) / 3 * 1e3
+    timing = time_calls(functools.partial(forward, candidate, xb), wait=jax.block_until_ready,
+                        samples=3, burst=1)
+    ms = timing.streamed_ms
     rows.append((name, "ran", f"{ms:.1f} ms", rel_err(out, ref)))
 
 print(f"{'experts':<18} {'status':<8} {'time / reason':<72} rel. err")
@@ -455,6 +456,8 @@ if measured:
 
 def write(name: str, cells) -> None:
     nb = new_notebook(cells=cells)
+    for index, cell in enumerate(nb.cells):  # stable ids: regenerating changes only edited cells
+        cell.id = f"{pathlib.Path(name).stem}-{index:02d}"
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",

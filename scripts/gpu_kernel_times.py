@@ -15,10 +15,10 @@ def profile(shape_name: str) -> None:
     import jax
     import torch
 
-    from moe_jax import bench
+    from moe_jax.cli import layer_bench
     from moe_jax.fused_moe import fused_moe
 
-    layer = bench.make_layer(bench.SHAPES[shape_name])
+    layer = layer_bench.make_layer(layer_bench.SHAPES[shape_name])
     fn = jax.jit(
         lambda x, w1, w2, tw, ti, s1, s2: fused_moe(x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2)
     )

@@ -8,7 +8,6 @@ import importlib.util
 import jax
 
 from moe_jax import grouped_gemm
-from moe_jax.layouts import contiguous_num_rows
 
 # A DeepSeek-V3-sized slice (shape A of the benchmarks) asks every backend the same question.
 _PROBLEM = dict(num_tokens=4096, topk=8, num_experts=32, hidden=7168, intermediate=2048)
@@ -36,11 +35,9 @@ def report() -> str:
         f"E={p['num_experts']} H={p['hidden']} I={p['intermediate']} "
         "(experts='auto' takes the first that runs of those it prefers here, listed first):",
     ]
-    num_rows = contiguous_num_rows(p["num_tokens"], p["topk"], p["num_experts"], 128)
     for dtype in ("float8_e4m3fn", "bfloat16"):
         problem = grouped_gemm.GemmProblem(
             layout="contiguous",
-            num_rows=num_rows,
             n=2 * p["intermediate"],
             k=p["hidden"],
             num_experts=p["num_experts"],

@@ -2,15 +2,17 @@
 
 Run on a GPU host with DeepGEMM installed:
 
-    python -m moe_jax.interop.bench [--iters 20] [--reps 15] [--command-buffer]
+    python -m moe_jax.cli.interop_bench [--iters 20] [--reps 15] [--command-buffer]
 
 Every variant runs back to back `--iters` times per sample (so host work overlaps device work, as in
 a model's forward pass); a sample is the mean per call, the table shows the median of `--reps`
-samples. torch calls are timed with CUDA events, jitted calls with `block_until_ready`. Variants:
+samples. Every variant is timed by `moe_jax.cli.timing.time_calls` (wall clock; torch calls waited
+for with `torch.cuda.synchronize`, jitted calls with `block_until_ready`). Variants:
 
 - direct: `m_grouped_fp8_gemm_nt_contiguous` called from torch on the same buffers, with the scales
   already in DeepGEMM's MN-major layout (the best a torch program can do).
-- jit: the bridge call alone, scales given in that layout (`mn_major_scales` outside the jit).
+- jit: the same DeepGEMM call wrapped in `moe_jax.interop.torch_callback` alone, scales given in
+  that layout (`mn_major_scales` outside the jit, `tma_aligned_view` inside the callback).
 - jit+sf: `DeepGemm.contiguous` as the MoE pipeline calls it: row-major scales, transposed in XLA.
 - grouped_mm: `torch._grouped_mm` bf16 direct vs the "torch" backend (which adds one [M, N] copy).
 
@@ -22,11 +24,11 @@ read here, before any device is touched).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-import statistics
 import sys
-import time
+
+from moe_jax.cli.timing import time_calls
+from moe_jax.cli.torch_baseline import deep_gemm_fp8_contiguous
 
 SHAPES = (  # (groups, rows per group, N, K)
     (32, 1024, 4096, 7168),
@@ -35,33 +37,16 @@ SHAPES = (  # (groups, rows per group, N, K)
 )
 
 
-def _median_ms_torch(torch, fn, *, iters: int, reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / iters)
-    return statistics.median(samples)
+def _torch_ms(torch, fn, *, iters: int, reps: int) -> float:
+    timing = time_calls(fn, wait=lambda _: torch.cuda.synchronize(), samples=reps, burst=iters)
+    return timing.streamed_ms
 
 
-def _median_ms_jax(fn, args, *, iters: int, reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        y = fn(*args)
-        y.block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            # Drop the last result before the next call (XLA keeps it alive while in use), so the
-            # output lands in the same buffer every time, as `d` does in the direct calls.
-            del y
-            y = fn(*args)
-        y.block_until_ready()
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
+def _jax_ms(fn, args, *, iters: int, reps: int) -> float:
+    import jax
+
+    timing = time_calls(lambda: fn(*args), wait=jax.block_until_ready, samples=reps, burst=iters)
+    return timing.streamed_ms
 
 
 def _fp8_case(torch, backend, shape, *, iters, reps, command_buffer):
@@ -81,7 +66,7 @@ def _fp8_case(torch, backend, shape, *, iters, reps, command_buffer):
     sfa_t = deep_gemm.mn_major_scales(xs)
     jax.block_until_ready((xq, xs, wq, ws, ids, sfa_t))
 
-    gemm = deep_gemm._resolve("fp8_contiguous")
+    gemm = deep_gemm_fp8_contiguous()
     t = {
         name: torch.from_dlpack(a)
         for name, a in dict(x=xq, sfa_t=sfa_t, w=wq, ws=ws, ids=ids).items()
@@ -95,8 +80,11 @@ def _fp8_case(torch, backend, shape, *, iters, reps, command_buffer):
     direct()  # DeepGEMM JIT-compiles this shape here, outside timing and outside any capture
     torch.cuda.synchronize()
 
+    def bridged(out, x, sfa_t, w, w_scales, expert_ids):  # the direct call, on XLA's buffers
+        gemm((x, deep_gemm.tma_aligned_view(sfa_t, m)), (w, w_scales), out, expert_ids)
+
     call = bridge.torch_callback(
-        functools.partial(deep_gemm._fp8_contiguous, gemm, m),
+        bridged,
         jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         command_buffer_compatible=command_buffer,
     )
@@ -112,9 +100,9 @@ def _fp8_case(torch, backend, shape, *, iters, reps, command_buffer):
     is_equal = bool(
         torch.equal(torch.from_dlpack(y), d) and torch.equal(torch.from_dlpack(y_full), d)
     )
-    ms_direct = _median_ms_torch(torch, direct, iters=iters, reps=reps)
-    ms_jit = _median_ms_jax(jit_call, (xq, sfa_t, wq, ws, ids), iters=iters, reps=reps)
-    ms_full = _median_ms_jax(jit_full, (xq, xs, wq, ws, ids, ends), iters=iters, reps=reps)
+    ms_direct = _torch_ms(torch, direct, iters=iters, reps=reps)
+    ms_jit = _jax_ms(jit_call, (xq, sfa_t, wq, ws, ids), iters=iters, reps=reps)
+    ms_full = _jax_ms(jit_full, (xq, xs, wq, ws, ids, ends), iters=iters, reps=reps)
     tflops = 2 * m * n * k / (ms_direct * 1e-3) / 1e12
     return ms_direct, ms_jit, ms_full, tflops, is_equal
 
@@ -146,8 +134,8 @@ def _grouped_mm_case(torch, shape, *, iters, reps):
     y = f(x, w, ids, ends)
     torch.cuda.synchronize()
     is_equal = bool(torch.equal(torch.from_dlpack(y), torch._grouped_mm(tx, tw.mT, offs=tends)))
-    ms_direct = _median_ms_torch(torch, direct, iters=iters, reps=reps)
-    ms_jit = _median_ms_jax(f, (x, w, ids, ends), iters=iters, reps=reps)
+    ms_direct = _torch_ms(torch, direct, iters=iters, reps=reps)
+    ms_jit = _jax_ms(f, (x, w, ids, ends), iters=iters, reps=reps)
     return ms_direct, ms_jit, is_equal
 
 
@@ -164,8 +152,8 @@ def _bridge_overhead_us(*, iters: int, reps: int) -> tuple[float, float]:
         bridge.torch_callback(lambda out, *a: None, jax.ShapeDtypeStruct((128, 128), jnp.float32))
     )
     return (
-        1e3 * _median_ms_jax(plain, args, iters=iters, reps=reps),
-        1e3 * _median_ms_jax(noop, args, iters=iters, reps=reps),
+        1e3 * _jax_ms(plain, args, iters=iters, reps=reps),
+        1e3 * _jax_ms(noop, args, iters=iters, reps=reps),
     )
 
 
@@ -189,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a GPU (jax.default_backend() is not 'gpu')", file=sys.stderr)
         return 2
     torch.zeros((), device="cuda")  # torch's CUDA context on the main thread, before any jit
-    dg_module, why = deep_gemm._library()
-    if dg_module is None:
-        print(why, file=sys.stderr)
+    try:
+        import deep_gemm as dg_module
+    except Exception as error:  # a broken build raises anything from ImportError to OSError
+        print(f"import deep_gemm failed ({type(error).__name__}: {error})", file=sys.stderr)
         return 2
     backend = deep_gemm.DeepGemm(
         deep_gemm.DeepGemmConfig(command_buffer_compatible=args.command_buffer)

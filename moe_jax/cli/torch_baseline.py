@@ -3,12 +3,18 @@
 This is the "torch glue + DeepGEMM" row of `python -m moe_jax bench`: permutation, quantization,
 activation and the weighted sum written as plain torch ops around DeepGEMM's contiguous grouped
 GEMMs, with vLLM's layout (128-row segments, -1 on padding) and quantization formula. It is what
-a torch user gets without fused glue kernels. Only the benchmark imports it.
+a torch user gets without fused glue kernels. Only the benchmarks import it.
 """
 
 from __future__ import annotations
 
-import statistics
+from moe_jax.cli.timing import time_torch
+
+# DeepGEMM's contiguous grouped FP8 GEMM: the current name, then the one older releases used.
+DEEP_GEMM_FP8_CONTIGUOUS = (
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
+)
 
 
 def _quantize(x, group: int = 128):
@@ -21,20 +27,21 @@ def _quantize(x, group: int = 128):
     return q.view(x.shape), scales.squeeze(-1)
 
 
-def _grouped_gemm():
+def deep_gemm_fp8_contiguous():
+    """deep_gemm's contiguous grouped FP8 GEMM, called directly from torch (the baseline)."""
     import deep_gemm
 
-    for name in ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"):
+    for name in DEEP_GEMM_FP8_CONTIGUOUS:
         if hasattr(deep_gemm, name):
             return getattr(deep_gemm, name)
-    raise AttributeError("deep_gemm has no contiguous grouped FP8 GEMM")
+    raise AttributeError(f"deep_gemm has none of {DEEP_GEMM_FP8_CONTIGUOUS}")
 
 
 def make_forward(x, w1q, w1s, w2q, w2s, topk_weights, topk_ids):
     """A torch forward over torch CUDA tensors; returns bf16 [T, H]."""
     import torch
 
-    gemm = _grouped_gemm()
+    gemm = deep_gemm_fp8_contiguous()
     num_tokens, topk = topk_ids.shape
     num_experts, two_i, hidden = w1q.shape
     inter = two_i // 2
@@ -74,9 +81,9 @@ def make_forward(x, w1q, w1s, w2q, w2s, topk_weights, topk_ids):
 
 
 def run(layer, *, iters: int):
-    """(out, streamed ms, latency ms) for a `moe_jax.bench.Layer`, or why it cannot run here.
+    """(out, streamed ms, latency ms) for a `moe_jax.cli.layer_bench.Layer`, or why it cannot run.
 
-    CUDA events: streamed = 10 forwards back to back per sample; latency = one forward.
+    Timed by `moe_jax.cli.timing.time_torch`, the same loop as every JAX variant.
     """
     try:
         import deep_gemm  # noqa: F401
@@ -88,11 +95,8 @@ def run(layer, *, iters: int):
     import jax.numpy as jnp
     import numpy as np
 
-    def to_torch(a):
-        return torch.from_dlpack(a)
-
     tensors = [
-        to_torch(a)
+        torch.from_dlpack(a)
         for a in (
             layer.x,
             layer.w1q,
@@ -104,23 +108,6 @@ def run(layer, *, iters: int):
         )
     ]
     forward = make_forward(*tensors)
-    for _ in range(2):
-        forward()
-    torch.cuda.synchronize()
-
-    def median_ms(calls: int, samples: int) -> float:
-        times = []
-        for _ in range(samples):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                forward()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-        return statistics.median(times)
-
-    latency = median_ms(1, iters)
-    streamed = median_ms(10, max(3, iters // 2))
+    streamed, latency = time_torch(forward, iters=iters)
     out = forward().float().cpu().numpy()
     return jnp.asarray(np.asarray(out)), streamed, latency

@@ -1,0 +1,306 @@
+"""Benchmark of the Pallas data-movement kernels against XLA and device copy bandwidth.
+
+    python -m moe_jax.cli.kernel_bench              # on a GPU: shapes A and B
+    python -m moe_jax.cli.kernel_bench --sweep      # also time a few block configs, keep the best
+    python -m moe_jax.cli.kernel_bench --tiny --interpret   # CPU smoke run of this script
+
+Kernels: permute (bf16 and FP8 rows with scales), unpermute (weighted gather-sum), group_quant
+(FP8 quantization of the tokens) and act_and_quant (silu(gate) * up + FP8 quantization). Each
+runs through its public front op (`moe_jax.permute.permute(impl=...)`,
+`moe_jax.act_quant.group_quant(impl=...)`, ...) with `impl="pallas"` (or "pallas_interpret"),
+against `impl="xla"`; `--sweep` also calls the kernel wrappers of `moe_jax.kernels` with other
+configs. Times come from `moe_jax.cli.timing.time_calls` (streamed: medians over samples of
+back-to-back calls, after warm-up).
+
+Bytes moved count each input byte read once and each output byte written once: permute reads x
+(+ scales, ids) and writes all M rows of the layout (padding included: it is output) plus the
+metadata; unpermute reads the T*k gathered rows, inverse and weights, and writes [T, H]. The
+copy ceiling is a jitted elementwise pass over a ~2 GB array (bytes read + written). Routing:
+uniform random experts per slot (duplicates allowed), as in an untrained router. "metadata
+alone" times the permute kernel's routing metadata (`moe_jax.kernels.permute.routing_metadata`)
+by itself, which is bound by host dispatch of its small XLA kernels; inside permute that is
+hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax import act_quant, kernels, layouts
+from moe_jax import permute as permute_op
+from moe_jax.cli import kernel_report
+from moe_jax.cli.timing import time_calls
+from moe_jax.kernels.permute import heuristic_config as permute_heuristic
+from moe_jax.kernels.permute import routing_metadata
+from moe_jax.kernels.unpermute import heuristic_config as unpermute_heuristic
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    num_tokens: int
+    topk: int
+    hidden: int
+    num_experts: int
+    intermediate: int
+
+
+SHAPES = {
+    "A": Shape("A", 4096, 8, 7168, 32, 2048),
+    "B": Shape("B", 8192, 8, 2048, 128, 768),
+    "tiny": Shape("tiny", 64, 4, 256, 8, 128),
+}
+# Overrides of the heuristic config timed by --sweep; "2h" doubles block_h, "h/2" halves it.
+PERMUTE_SWEEP = [
+    dict(has_eviction_hints=False),
+    dict(block_m=8),
+    dict(block_m=32, num_warps=8),
+    dict(num_warps=8),
+    dict(block_rank=32),
+    dict(block_rank=128),
+]
+UNPERMUTE_SWEEP = [
+    dict(has_eviction_hints=False),
+    dict(block_t=2),
+    dict(num_warps=8),
+    dict(block_t=2, block_h="h/2"),
+    dict(block_t=4, block_h="h/2", num_warps=8),
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timer:
+    """Streamed timing in microseconds: `samples` medians of `burst` back-to-back calls."""
+
+    samples: int
+    burst: int
+
+    def us(self, fn: Callable, *args) -> float:
+        timing = time_calls(
+            lambda: fn(*args), wait=jax.block_until_ready, samples=self.samples, burst=self.burst
+        )
+        return timing.streamed_ms * 1e3
+
+
+def _override(base, change):
+    sizes = {"2h": 2 * base.block_h, "h/2": max(1, base.block_h // 2)}
+    return dataclasses.replace(base, **{k: sizes.get(v, v) for k, v in change.items()})
+
+
+def copy_bandwidth(num_bytes: int, timer: Timer) -> float:
+    """Device-to-device GB/s of an elementwise pass (read + write) over num_bytes."""
+    a = jax.random.bits(jax.random.key(0), (num_bytes // 4,), jnp.uint32)
+    flip = jax.jit(lambda v: v ^ jnp.uint32(1))
+    return 2 * a.nbytes / timer.us(flip, a) / 1e3
+
+
+def fill_bandwidth(num_bytes: int, timer: Timer) -> float:
+    """GB/s of writing num_bytes (no reads): the ceiling of a write-dominated op like permute."""
+    fill = jax.jit(functools.partial(jnp.full, (num_bytes // 4,), dtype=jnp.uint32))
+    return num_bytes // 4 * 4 / timer.us(fill, jnp.uint32(7)) / 1e3
+
+
+def _nbytes(*arrays) -> int:
+    return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+
+def _is_bit_equal(got, want) -> bool:
+    return all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def _fastest(timer: Timer, candidates: list[tuple[str, Callable]], *args):
+    """(us, name, fn) of the fastest candidate, after printing each one's time with --sweep."""
+    results = [(timer.us(fn, *args), name, fn) for name, fn in candidates]
+    if len(results) > 1:
+        for us, name, _ in results:
+            print(f"  sweep {us:9.1f} us  {name}")
+    return min(results, key=lambda r: r[0])
+
+
+def _bench_permute(shape, x, q, scales, ids, *, impl, sweep, timer, copy_gbs):
+    rows = []
+    E = shape.num_experts
+    num_rows = layouts.contiguous_num_rows(
+        shape.num_tokens, shape.topk, E, layouts.DEFAULT_ALIGNMENT
+    )
+    for dtype_name, xs, xscales in [("bf16", x, None), ("fp8+scales", q, scales)]:
+        front = functools.partial(permute_op.permute, num_experts=E, x_scales=xscales)
+        candidates = [
+            (f"impl={impl!r} (heuristic config)", jax.jit(functools.partial(front, impl=impl)))
+        ]
+        if sweep:
+            base = permute_heuristic(num_rows, shape.hidden, xs.dtype.itemsize)
+            for change in PERMUTE_SWEEP:
+                config = _override(base, change)
+                candidates.append(
+                    (
+                        str(config),
+                        functools.partial(
+                            kernels.permute,
+                            num_experts=E,
+                            x_scales=xscales,
+                            config=config,
+                            interpret=impl == "pallas_interpret",
+                        ),
+                    )
+                )
+        us, name, fn = _fastest(timer, candidates, xs, ids)
+        xla = jax.jit(functools.partial(front, impl="xla"))
+        got = fn(xs, ids)
+        moved = _nbytes(xs, xscales, ids) + _nbytes(*jax.tree.leaves(got))
+        rows.append(
+            kernel_report.row(
+                "permute",
+                shape.name,
+                dtype_name,
+                us=us,
+                xla_us=timer.us(xla, xs, ids),
+                moved=moved,
+                copy_gbs=copy_gbs,
+                check="exact" if _is_bit_equal(got, xla(xs, ids)) else "MISMATCH",
+                config=name,
+            )
+        )
+    local = layouts.map_expert_ids(ids, num_experts=E)
+    meta = jax.jit(
+        functools.partial(
+            routing_metadata,
+            num_experts=E,
+            alignment=layouts.DEFAULT_ALIGNMENT,
+            num_rows=num_rows,
+        )
+    )
+    rows.append(
+        kernel_report.row(
+            "  metadata alone", shape.name, "int32", us=timer.us(meta, local), copy_gbs=copy_gbs
+        )
+    )
+    return rows
+
+
+def _bench_unpermute(shape, x, ids, weights, rng, *, impl, sweep, timer, copy_gbs):
+    T, k, H, E = shape.num_tokens, shape.topk, shape.hidden, shape.num_experts
+    lay = permute_op.permute(x, ids, num_experts=E, impl="xla")
+    # Expert outputs are bf16 (GEMM2's output) in both the bf16 and FP8 pipelines.
+    y = jnp.asarray(rng.standard_normal(lay.rows.shape), jnp.bfloat16)
+    candidates = [
+        (
+            f"impl={impl!r} (heuristic config)",
+            jax.jit(functools.partial(permute_op.unpermute, impl=impl)),
+        )
+    ]
+    if sweep:
+        base = unpermute_heuristic(T, H)
+        for change in UNPERMUTE_SWEEP:
+            config = _override(base, change)
+            candidates.append(
+                (
+                    str(config),
+                    functools.partial(
+                        kernels.unpermute, config=config, interpret=impl == "pallas_interpret"
+                    ),
+                )
+            )
+    us, name, fn = _fastest(timer, candidates, y, lay.inverse, weights)
+    xla = jax.jit(functools.partial(permute_op.unpermute, impl="xla"))
+    got = np.asarray(fn(y, lay.inverse, weights), np.float32)
+    want = np.asarray(xla(y, lay.inverse, weights), np.float32)
+    err = float(np.max(np.abs(got - want)))
+    is_close = bool(np.allclose(got, want, rtol=1e-2, atol=1e-2))  # one bf16 rounding
+    moved = _nbytes(lay.inverse, weights) + T * k * H * 2 + T * H * 2
+    return [
+        kernel_report.row(
+            "unpermute",
+            shape.name,
+            "bf16",
+            us=us,
+            xla_us=timer.us(xla, y, lay.inverse, weights),
+            moved=moved,
+            copy_gbs=copy_gbs,
+            check=f"{'ok' if is_close else 'MISMATCH'} max abs err {err:.1e}",
+            config=name,
+        )
+    ]
+
+
+def _bench_quant(shape, x, rng, *, impl, timer, copy_gbs):
+    """group_quant of the tokens [T, H] and act_and_quant of GEMM1's output [T*k, 2I]."""
+    h = jnp.asarray(
+        rng.standard_normal((shape.num_tokens * shape.topk, 2 * shape.intermediate)), jnp.bfloat16
+    )
+    rows = []
+    cases = [
+        ("group_quant", act_quant.group_quant, x),
+        ("act_and_quant", act_quant.act_and_quant, h),
+    ]
+    for name, op, operand in cases:
+        fn = jax.jit(functools.partial(op, impl=impl))
+        xla = jax.jit(functools.partial(op, impl="xla"))
+        got, want = fn(operand), xla(operand)
+        rows.append(
+            kernel_report.row(
+                name,
+                shape.name,
+                "bf16->fp8",
+                us=timer.us(fn, operand),
+                xla_us=timer.us(xla, operand),
+                moved=_nbytes(operand, *got),
+                copy_gbs=copy_gbs,
+                check="exact" if _is_bit_equal(got, want) else "differs from xla",
+            )
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict], float, float]:
+    """(table rows, copy GB/s, fill GB/s)."""
+    timer = Timer(samples=args.batches, burst=args.per_batch)
+    impl = "pallas_interpret" if args.interpret else "pallas"
+    copy_gbs = copy_bandwidth(args.copy_bytes, timer)
+    fill_gbs = fill_bandwidth(args.copy_bytes, timer)
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
+    rows = []
+    rng = np.random.default_rng(0)
+    for shape in [SHAPES[s] for s in args.shapes]:
+        print(f"[{shape.name}] permute, unpermute, quantization", flush=True)
+        T, k, H, E = shape.num_tokens, shape.topk, shape.hidden, shape.num_experts
+        ids = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+        weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+        q, scales = act_quant.group_quant(x, impl="xla")
+        common = dict(impl=impl, timer=timer, copy_gbs=copy_gbs)
+        rows += _bench_permute(shape, x, q, scales, ids, sweep=args.sweep, **common)
+        rows += _bench_unpermute(shape, x, ids, weights, rng, sweep=args.sweep, **common)
+        rows += _bench_quant(shape, x, rng, **common)
+    return rows, copy_gbs, fill_gbs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["A", "B"], choices=sorted(SHAPES))
+    parser.add_argument("--tiny", action="store_true", help="only the tiny shape (smoke run)")
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
+    parser.add_argument("--sweep", action="store_true", help="time a few configs, keep the best")
+    parser.add_argument("--batches", type=int, default=15, help="timed samples (median)")
+    parser.add_argument("--per-batch", type=int, default=20, help="back-to-back calls per sample")
+    parser.add_argument("--copy-bytes", type=int, default=2 << 30)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shapes, args.batches, args.per_batch, args.copy_bytes = ["tiny"], 2, 2, 1 << 20
+    rows, copy_gbs, fill_gbs = run(args)
+    print(kernel_report.format_table(rows, copy_gbs=copy_gbs, fill_gbs=fill_gbs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""`python -m moe_jax bench`: whole-layer forward times against baselines, checked, in one table.
+
+Every variant runs the same routed layer (random tokens, softmax top-k routing) and is checked
+against a float32 reference on the same weights before it is timed. Times come from
+`moe_jax.cli.timing` (the one timing loop): "ms" is the median per-call time of bursts of
+back-to-back calls (a layer inside a model whose host runs ahead), "latency ms" the median of
+single waited-for calls. TFLOPS count the routed work only: 6 * T * k * H * I.
+
+Variants (each runs where it can; the table says why one did not):
+  jax_ragged_dot_bf16   argsort + jax.lax.ragged_dot (what a JAX user writes today)
+  jax_mosaic_bf16       argsort + JAX's Mosaic GPU ragged_dot kernel (GPU)
+  torch_deep_gemm_fp8   torch glue (sort, index, quantize in torch ops) + DeepGEMM FP8 (GPU)
+  moe_jax_bf16          fused_moe(experts="auto") on bf16 weights
+  moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import grouped_gemm, quant
+from moe_jax.cli.timing import rel_error, time_jax
+from moe_jax.fused_moe import fused_moe
+from moe_jax.routing import fused_topk
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchShape:
+    """A layer size: T tokens, E experts, top-k, hidden H, expert width I."""
+
+    name: str
+    num_tokens: int
+    num_experts: int
+    topk: int
+    hidden: int
+    intermediate: int
+
+    @property
+    def flops(self) -> int:
+        return 6 * self.num_tokens * self.topk * self.hidden * self.intermediate
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: T={self.num_tokens} E={self.num_experts} k={self.topk} "
+            f"H={self.hidden} I={self.intermediate}"
+        )
+
+
+SHAPES = {
+    "A": BenchShape(
+        name="A", num_tokens=4096, num_experts=32, topk=8, hidden=7168, intermediate=2048
+    ),
+    "B": BenchShape(
+        name="B", num_tokens=8192, num_experts=128, topk=8, hidden=2048, intermediate=768
+    ),
+    "small": BenchShape(
+        name="small", num_tokens=256, num_experts=8, topk=2, hidden=256, intermediate=128
+    ),
+}
+VARIANTS = (
+    "jax_ragged_dot_bf16",
+    "jax_mosaic_bf16",
+    "torch_deep_gemm_fp8",
+    "moe_jax_bf16",
+    "moe_jax_fp8",
+)
+BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer's inputs: bf16 and FP8 forms of the same expert weights, routed tokens.
+
+    Attributes:
+      x: bf16[T, H]; topk_weights float32[T, k]; topk_ids int32[T, k].
+      w1, w2: bf16[E, 2I, H], bf16[E, H, I].
+      w1q, w1s, w2q, w2s: the same weights as float8_e4m3fn with float32 128x128 block scales.
+    """
+
+    x: jax.Array
+    topk_weights: jax.Array
+    topk_ids: jax.Array
+    w1: jax.Array
+    w2: jax.Array
+    w1q: jax.Array
+    w1s: jax.Array
+    w2q: jax.Array
+    w2s: jax.Array
+
+
+def make_layer(shape: BenchShape, seed: int = 0) -> Layer:
+    """Random tokens, softmax top-k routing and scaled random weights of `shape`."""
+    s = shape
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(keys[0], (s.num_tokens, s.hidden), jnp.bfloat16)
+    logits = jax.random.normal(keys[1], (s.num_tokens, s.num_experts), jnp.float32)
+    topk_weights, topk_ids = fused_topk(logits, s.topk)
+    w1 = jax.random.normal(keys[2], (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16)
+    w2 = jax.random.normal(keys[3], (s.num_experts, s.hidden, s.intermediate), jnp.bfloat16)
+    w1 = (w1 * s.hidden**-0.5).astype(jnp.bfloat16)
+    w2 = (w2 * s.intermediate**-0.5).astype(jnp.bfloat16)
+    w1q, w1s = jax.jit(quant.per_block_quant_fp8)(w1)
+    w2q, w2s = jax.jit(quant.per_block_quant_fp8)(w2)
+    return Layer(x, topk_weights, topk_ids, w1, w2, w1q, w1s, w2q, w2s)
+
+
+def reference(layer: Layer, *, fp8: bool) -> jax.Array:
+    """float32 forward on the same weights (dequantized FP8 for fp8), via `experts="xla"`."""
+    if fp8:
+        w1 = quant.dequant_per_block(layer.w1q, layer.w1s)
+        w2 = quant.dequant_per_block(layer.w2q, layer.w2s)
+    else:
+        w1, w2 = layer.w1.astype(jnp.float32), layer.w2.astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(lambda *a: fused_moe(*a, experts="xla"))(
+            layer.x.astype(jnp.float32), w1, w2, layer.topk_weights, layer.topk_ids
+        )
+
+
+def _sort_pipeline(gemm: Callable) -> Callable:
+    """A user's JAX MoE: argsort by expert, two grouped GEMMs, unsort, weighted sum."""
+
+    def forward(x, w1, w2, topk_weights, topk_ids):
+        num_tokens, topk = topk_ids.shape
+        num_experts = w1.shape[0]
+        flat = topk_ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = x[order // topk]
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        h = gemm(rows, w1, sizes)
+        inter = h.shape[1] // 2
+        a = jax.nn.silu(h[:, :inter].astype(jnp.float32)).astype(h.dtype) * h[:, inter:]
+        y = gemm(a, w2, sizes)
+        unsorted = jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, topk, -1)
+        out = jnp.sum(unsorted.astype(jnp.float32) * topk_weights[..., None], axis=1)
+        return out.astype(x.dtype)
+
+    return forward
+
+
+def _lax_ragged(rows, w, sizes):
+    return jax.lax.ragged_dot(
+        rows, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=jnp.float32
+    ).astype(rows.dtype)
+
+
+def _mosaic_ragged(rows, w, sizes):
+    return grouped_gemm.GEMMS.get("mosaic").ragged_dot(rows, w, sizes, rows.dtype)
+
+
+def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
+    """(jitted fn, args) for a JAX variant, or why it cannot run here."""
+    bf16_args = (layer.x, layer.w1, layer.w2, layer.topk_weights, layer.topk_ids)
+    if name == "jax_ragged_dot_bf16":
+        return jax.jit(_sort_pipeline(_lax_ragged)), bf16_args
+    if name == "jax_mosaic_bf16":
+        if jax.default_backend() != "gpu":
+            return "needs an NVIDIA GPU"
+        return jax.jit(_sort_pipeline(_mosaic_ragged)), bf16_args
+    if name == "moe_jax_bf16":
+        return jax.jit(lambda *a: fused_moe(*a, experts="auto")), bf16_args
+    if name == "moe_jax_fp8":
+        fp8_args = (
+            layer.x,
+            layer.w1q,
+            layer.w2q,
+            layer.topk_weights,
+            layer.topk_ids,
+            layer.w1s,
+            layer.w2s,
+        )
+        return jax.jit(
+            lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
+                x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts="auto"
+            )
+        ), fp8_args
+    raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+
+
+def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
+    """One table row: times, error against the float32 reference, or why it was skipped."""
+    if name == "torch_deep_gemm_fp8":
+        from moe_jax.cli import torch_baseline
+
+        result = torch_baseline.run(layer, iters=iters)
+        if isinstance(result, str):
+            return dict(skipped=result)
+        out, ms, latency_ms = result
+    else:
+        built = _jax_variant(name, layer)
+        if isinstance(built, str):
+            return dict(skipped=built)
+        fn, args = built
+        out = fn(*args)
+        ms, latency_ms = time_jax(fn, args, iters=iters)
+    ref = refs["fp8" if name.endswith("fp8") else "bf16"]
+    return dict(ms=ms, latency_ms=latency_ms, rel_err=rel_error(out, ref))
+
+
+def run(
+    shape_names: Sequence[str],
+    variants: Sequence[str],
+    *,
+    iters: int,
+    progress: TextIO = sys.stderr,
+) -> list[dict]:
+    """Table rows for every shape and variant; progress lines go to `progress`."""
+    rows = []
+    steps = len(shape_names) * len(variants)
+    step = 0
+    for shape_name in shape_names:
+        shape = SHAPES[shape_name]
+        print(f"[{shape}] building inputs and float32 references", file=progress, flush=True)
+        layer = make_layer(shape)
+        refs = {"bf16": reference(layer, fp8=False), "fp8": reference(layer, fp8=True)}
+        for name in variants:
+            step += 1
+            print(f"[{step}/{steps}] {shape.name} {name}", file=progress, flush=True)
+            try:
+                row = run_variant(name, layer, refs, iters=iters)
+            except Exception as error:  # a broken variant is reported, the others still run
+                row = dict(skipped=f"failed: {type(error).__name__}: {error}"[:200])
+            row.update(shape=shape.name, variant=name)
+            if "ms" in row:
+                row["tflops"] = shape.flops / row["ms"] / 1e9
+            rows.append(row)
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """vs_best_baseline = best baseline time of the shape / this time."""
+    for shape in {r["shape"] for r in rows}:
+        base = [
+            r["ms"] for r in rows if r["shape"] == shape and r["variant"] in BASELINES and "ms" in r
+        ]
+        for r in rows:
+            if r["shape"] == shape and "ms" in r and base:
+                r["vs_best_baseline"] = min(base) / r["ms"]
+
+
+def _check_names(given: Sequence[str], known: Sequence[str], what: str) -> None:
+    for name in given:
+        if name not in known:
+            raise SystemExit(f"unknown {what} {name!r}; choose from {list(known)}")
+
+
+def run_layer_bench(
+    *,
+    shapes: Sequence[str] | None = None,
+    variants: Sequence[str] | None = None,
+    iters: int = 20,
+    breakdown: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    progress: TextIO = sys.stderr,
+) -> int:
+    """The `bench` command: runs, prints the tables, writes JSON/PNG; returns the exit status.
+
+    Args:
+      shapes: names from `SHAPES`; None: A and B on a GPU, "small" elsewhere.
+      variants: names from `VARIANTS`; None: all.
+      iters: latency samples per variant (streamed samples: max(3, iters // 2)).
+      breakdown: also time each stage of the FP8 forward (`moe_jax.cli.stage_breakdown`).
+      json_path: write {"environment", "rows", "breakdown"} there.
+      plot_path: write a PNG bar chart there.
+    """
+    from moe_jax.cli import layer_report
+
+    shape_names = list(shapes or (["A", "B"] if jax.default_backend() == "gpu" else ["small"]))
+    variants = list(variants or VARIANTS)
+    _check_names(shape_names, sorted(SHAPES), "shape")
+    _check_names(variants, VARIANTS, "variant")
+    rows = run(shape_names, variants, iters=iters, progress=progress)
+    breakdowns = {}
+    if breakdown:
+        from moe_jax.cli.stage_breakdown import stage_breakdown
+
+        for name in shape_names:
+            print(f"[{name}] stage breakdown", file=progress, flush=True)
+            breakdowns[name] = stage_breakdown(make_layer(SHAPES[name]), iters=iters)
+    env = layer_report.environment()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    for name, stages in breakdowns.items():
+        print(layer_report.format_breakdown(SHAPES[name], stages))
+    print(layer_report.format_table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(environment=env, rows=rows, breakdown=breakdowns), f, indent=1)
+    if plot_path:
+        layer_report.plot(rows, plot_path, shapes=SHAPES, baselines=BASELINES)
+        print(f"wrote {plot_path}")
+    return 0

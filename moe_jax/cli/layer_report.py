@@ -1,0 +1,93 @@
+"""Tables, the bar chart and the environment line of `python -m moe_jax bench`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per (shape, variant) row of `layer_bench.run`: times, TFLOPS, ratio, error."""
+    header = (
+        f"{'shape':<6} {'variant':<22} {'ms':>9} {'TFLOPS':>8} {'x best base':>11} {'rel. err':>9}"
+        f" {'latency ms':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"{r['shape']:<6} {r['variant']:<22} skipped: {r['skipped']}")
+            continue
+        ratio = f"{r['vs_best_baseline']:.2f}" if "vs_best_baseline" in r else "-"
+        lines.append(
+            f"{r['shape']:<6} {r['variant']:<22} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
+            f"{ratio:>11} {r['rel_err']:>9.2e} {r['latency_ms']:>10.3f}"
+        )
+    lines.append(
+        "ms: per forward, 10 calls back to back (host ahead, as in a model); latency: one "
+        "call waited for. x best base: best baseline ms / ms."
+    )
+    return "\n".join(lines)
+
+
+def format_breakdown(shape: object, rows: list[dict]) -> str:
+    """The stage rows of `stage_breakdown.stage_breakdown`, with shares of their sum."""
+    total = sum(r["ms"] for r in rows)
+    lines = [f"stages of moe_jax_fp8, shape {shape} (each jitted alone)"]
+    if not rows:
+        lines.append("  (experts='auto' is not the contiguous layout here: no stages to time)")
+        return "\n".join(lines)
+    for r in rows:
+        lines.append(f"  {r['stage']:<24} {r['ms']:>8.3f} ms  {100 * r['ms'] / total:5.1f}%")
+    lines.append(f"  {'sum':<24} {total:>8.3f} ms")
+    return "\n".join(lines)
+
+
+def plot(
+    rows: list[dict], path: str, *, shapes: Mapping[str, object], baselines: Sequence[str]
+) -> None:
+    """Bar chart of ms per variant, one panel per shape (log scale), written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, shape in zip(axes[0], names, strict=True):
+        timed = [r for r in rows if r["shape"] == shape and "ms" in r]
+        variants = [r["variant"] for r in timed]
+        colors = ["tab:gray" if n in baselines else "tab:blue" for n in variants]
+        bars = ax.barh(variants, [r["ms"] for r in timed], color=colors)
+        ax.bar_label(bars, labels=[f"{r['ms']:.2f} ms" for r in timed], padding=3, fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per layer forward (log scale; lower is better)")
+        ax.set_title(f"{shapes[shape]} on {jax.devices()[0].device_kind}", fontsize=9)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment() -> dict:
+    """jax version, backend, device, date, and torch / deep_gemm versions where installed."""
+    info = dict(
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        device=jax.devices()[0].device_kind,
+        date=time.strftime("%Y-%m-%d"),
+    )
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        import deep_gemm
+
+        info["deep_gemm"] = getattr(deep_gemm, "__version__", "unknown")
+    except ImportError:
+        pass
+    return info

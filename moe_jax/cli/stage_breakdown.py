@@ -1,0 +1,90 @@
+"""`python -m moe_jax bench --breakdown`: the time of each stage of moe_jax's FP8 forward.
+
+The stages are the public methods `fused_moe(experts="auto")` itself runs:
+`NoEPPrepareFinalize.prepare` (FP8 quantization of x through `moe_jax.act_quant.group_quant`),
+then `ContiguousExperts.permute`, `first_gemm`, `activate`, `second_gemm` and `unpermute`, each
+jitted alone and fed the previous stage's real output. Their sum is above the one-jit forward
+by the launch and fusion boundaries between the jits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from moe_jax import quant
+from moe_jax.cli.layer_bench import Layer
+from moe_jax.cli.timing import time_jax
+from moe_jax.experts import (
+    ContiguousExperts,
+    ExpertsCall,
+    ExpertWeights,
+    resolve_experts,
+)
+from moe_jax.prepare_finalize import NoEPPrepareFinalize
+
+
+def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[dict]:
+    """[{"stage": name, "ms": streamed median}] for each stage of the FP8 forward of `layer`.
+
+    Args:
+      layer: the benchmark's inputs (`moe_jax.cli.layer_bench.make_layer`).
+      iters: as for `moe_jax.cli.timing.time_jax`.
+      experts: the experts to break down (a name or object); only the contiguous layout has
+        stage methods, so anything else returns [].
+    """
+    chosen = resolve_experts(experts)
+    if not isinstance(chosen, ContiguousExperts):
+        return []
+    num_tokens, topk = layer.topk_ids.shape
+    weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
+    quant_config = quant.Fp8BlockQuant()
+    call = ExpertsCall(quant_config=quant_config, out_dtype=layer.x.dtype)
+    gemms = chosen.select_gemms(weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE)
+    rows: list[dict] = []
+
+    def timed(stage: str, fn: Callable, *args):
+        jitted = jax.jit(fn)
+        out = jitted(*args)
+        rows.append(dict(stage=stage, ms=time_jax(jitted, args, iters=iters)[0]))
+        return out
+
+    prepared = timed(
+        "quantize x",
+        lambda x, tw, ti: NoEPPrepareFinalize().prepare(
+            x, tw, ti, quant_config=quant_config, apply_router_weight_on_input=False
+        ),
+        layer.x,
+        layer.topk_weights,
+        layer.topk_ids,
+    )
+    lay = timed(
+        "permute",
+        lambda p, w: chosen.permute(p, w, expert_map=None, gemms=gemms),
+        prepared,
+        weights,
+    )
+    h = timed(
+        f"GEMM1 ({gemms.gemm1.name})",
+        lambda lay, w: chosen.first_gemm(lay, w, gemms=gemms, call=call),
+        lay,
+        weights,
+    )
+    a, a_scales = timed("act*up + quantize", lambda h: chosen.activate(h, call), h)
+    y = timed(
+        f"GEMM2 ({gemms.gemm2.name})",
+        lambda a, s, lay, w: chosen.second_gemm(a, s, lay, w, gemms=gemms, call=call),
+        a,
+        a_scales,
+        lay,
+        weights,
+    )
+    timed(
+        "unpermute + reduce",
+        lambda y, lay, p: chosen.unpermute(y, lay, p, call),
+        y,
+        lay,
+        prepared,
+    )
+    return rows
