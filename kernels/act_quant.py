@@ -12,6 +12,13 @@ Rounding matches `moe_jax.activation.act_and_mul` followed by
 rounded again, then `scale = max(amax, 1e-10) / 448` and `q = clip(a / scale, +-448)` cast to
 e4m3 with round-to-nearest-even. `group_quant` is the same kernel without the activation: it
 quantizes the layer's input tokens before the permute.
+
+Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's two
+roundings are the same functions in both, spelled per backend in `_divide` and `_round` (XLA and
+Triton each need their own spelling to round where the reference rounds). What interpret mode does
+not cover is the activation's own float32 arithmetic (`exp` and the division inside silu), which
+Triton lowers to its own GPU instructions: the compiled act + quant kernel can move an FP8 code by
+one step where the activation lands on a bf16 rounding boundary.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from moe_jax import quant
 from moe_jax.act_quant import ACT_QUANTS, GROUP_QUANTS
@@ -58,15 +66,42 @@ def heuristic_config(num_rows: int) -> ActQuantConfig:
     return ActQuantConfig(block_m=min(32, _triton.next_power_of_2(max(num_rows, 1))))
 
 
+def _divide(a, b, *, interpret: bool):
+    """a / b correctly rounded (IEEE round-to-nearest-even), as the reference divides.
+
+    The same quotient in both modes, spelled per backend: XLA (interpret mode) rewrites
+    a / broadcast(b) as a * (1 / b), which `quant.divide` prevents; Triton lowers float32 `/` to
+    PTX `div.full.f32` (up to 2 ulp off, triton-lang/triton#10661), so the compiled kernel emits
+    `div.rn.f32` itself. Remove the inline PTX once Triton's `/` lowers to `div.rn.f32`.
+    """
+    if interpret:
+        return quant.divide(a, b)
+    [quotient] = plt.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[a, jnp.broadcast_to(b, a.shape)],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return quotient
+
+
+def _round(x, dtype, *, interpret: bool):
+    """float32 `x` rounded to nearest even in `dtype`: a plain cast in Triton (`cvt.rn`), which
+    XLA (interpret mode) may elide as excess precision unless told (`round_to_dtype`)."""
+    return round_to_dtype(x, dtype) if interpret else x.astype(dtype)
+
+
 def _store_quantized(a, q_ref, scale_ref, *, interpret: bool):
     """Quantizes float32 rows `a` [block_m, 128] into q_ref and their scales into scale_ref."""
-    # XLA (interpret mode) rewrites x / s as x * (1 / s); `quant.divide` keeps the true division
-    # that the reference computes. Triton divides directly (its f32 division may differ from the
-    # correctly rounded quotient in the last bit, as in vLLM's Triton quantizer).
-    divide = quant.divide if interpret else (lambda x, y: x / y)
     amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
-    scale = divide(jnp.maximum(amax, quant.SCALE_EPS), jnp.float32(quant.FP8_MAX))
-    q_ref[...] = jnp.clip(divide(a, scale), -quant.FP8_MAX, quant.FP8_MAX).astype(q_ref.dtype)
+    scale = _divide(
+        jnp.maximum(amax, quant.SCALE_EPS),
+        jnp.full(amax.shape, quant.FP8_MAX, jnp.float32),
+        interpret=interpret,
+    )
+    quotient = _divide(a, scale, interpret=interpret)
+    q_ref[...] = jnp.clip(quotient, -quant.FP8_MAX, quant.FP8_MAX).astype(q_ref.dtype)
     scale_ref[...] = scale
 
 
@@ -81,8 +116,7 @@ def _act_quant_kernel(
     activation: str,
     interpret: bool,
 ):
-    # Triton rounds exactly on a cast; XLA (interpret mode) needs the explicit rounding.
-    round_fn = round_to_dtype if interpret else (lambda x, dtype: x.astype(dtype))
+    round_fn = functools.partial(_round, interpret=interpret)
     a = gated_activation(gate_ref[...], up_ref[...], activation, round_fn=round_fn)
     _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, interpret=interpret)
 

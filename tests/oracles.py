@@ -8,6 +8,7 @@ Where vLLM rounds (bf16 GEMM outputs, FP8 quantization), the oracle rounds at th
 from __future__ import annotations
 
 import math
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -16,6 +17,12 @@ FP8 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
 FP8_MAX = np.float32(448.0)
 SCALE_EPS = np.float32(1e-10)
+
+
+def seed(*parts) -> int:
+    """A fixed integer seed for `np.random.default_rng` from a test's parameters (crc32 of their
+    repr: the same in every process, unlike `hash()`)."""
+    return zlib.crc32(repr(parts).encode())
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -160,6 +167,50 @@ def dequant_per_block(q, s, block_shape=(128, 128)) -> np.ndarray:
     return q * full
 
 
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _gelu(v):
+    return 0.5 * v * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2.0)))
+
+
+ACTIVATIONS = {"silu": _silu, "gelu": _gelu}
+
+
+def act_and_mul(h, activation: str = "silu", dtype=None) -> np.ndarray:
+    """float64 act(h[:, :I]) * h[:, I:] with vLLM's roundings: act in float64 rounded to `dtype`
+    (default: h's), the product rounded to `dtype` again."""
+    h = np.asarray(h)
+    dtype = h.dtype if dtype is None else dtype
+    h = h.astype(np.float64)
+    inter = h.shape[-1] // 2
+    act = round_to(ACTIVATIONS[activation](h[..., :inter]), dtype)
+    return round_to(act * h[..., inter:], dtype)
+
+
+def grouped_gemm_contiguous(x, w, expert_ids) -> np.ndarray:
+    """float64 y[row] = x[row] @ w[expert_ids[row]].T; rows with id -1 stay zero."""
+    x = np.asarray(x).astype(np.float64)
+    w = np.asarray(w).astype(np.float64)
+    y = np.zeros((x.shape[0], w.shape[1]))
+    for row, e in enumerate(np.asarray(expert_ids)):
+        if e >= 0:
+            y[row] = w[e] @ x[row]
+    return y
+
+
+def grouped_gemm_masked(x, w, num_rows_per_expert) -> np.ndarray:
+    """float64 y[e, r] = x[e, r] @ w[e].T for r < num_rows_per_expert[e]; other rows zero."""
+    x = np.asarray(x).astype(np.float64)
+    w = np.asarray(w).astype(np.float64)
+    y = np.zeros((*x.shape[:2], w.shape[1]))
+    for e, count in enumerate(np.asarray(num_rows_per_expert)):
+        for r in range(count):
+            y[e, r] = w[e] @ x[e, r]
+    return y
+
+
 # --- layouts ---------------------------------------------------------------------------------
 
 
@@ -234,8 +285,10 @@ def permute(x, topk_ids, num_experts: int, *, alignment: int, expert_map=None, x
 
 
 def masked_layout(x, topk_ids, num_experts: int, *, max_m: int, expert_map=None, x_scales=None):
-    """Masked layout by loops: rows [0, count) of each expert in (token, slot) order; overflow
-    pairs dropped and counted. Returns a dict like `moe_jax.layouts.MaskedLayout`'s fields."""
+    """Masked layout by loops: each token takes one row of each expert it picks (slots repeating
+    an expert share that row), rows [0, count) of an expert in token order; (token, expert) rows
+    past `max_m` are dropped and counted. Returns a dict like `moe_jax.layouts.MaskedLayout`'s
+    fields."""
     x = np.asarray(x)
     num_tokens, topk = np.asarray(topk_ids).shape
     local = local_ids(topk_ids, num_experts, expert_map)
@@ -248,18 +301,22 @@ def masked_layout(x, topk_ids, num_experts: int, *, max_m: int, expert_map=None,
     inverse = np.full((num_tokens, topk), -1, np.int64)
     dropped = 0
     for t in range(num_tokens):
+        row_of_expert = {}  # this token's row at each expert it picked (-1: dropped)
         for j in range(topk):
             e = local[t, j]
             if e < 0:
                 continue
-            if filled[e] == max_m:
-                dropped += 1
-                continue
-            rows[e, filled[e]] = x[t]
-            if row_scales is not None:
-                row_scales[e, filled[e]] = x_scales[t]
-            inverse[t, j] = e * max_m + filled[e]
-            filled[e] += 1
+            if e not in row_of_expert:
+                if filled[e] == max_m:
+                    row_of_expert[e] = -1
+                    dropped += 1
+                else:
+                    rows[e, filled[e]] = x[t]
+                    if row_scales is not None:
+                        row_scales[e, filled[e]] = x_scales[t]
+                    row_of_expert[e] = e * max_m + filled[e]
+                    filled[e] += 1
+            inverse[t, j] = row_of_expert[e]
     return dict(
         rows=rows,
         row_scales=row_scales,
@@ -284,17 +341,6 @@ def unpermute(y, inverse, topk_weights) -> np.ndarray:
 
 
 # --- the MoE layer ---------------------------------------------------------------------------
-
-
-def _silu(v):
-    return v / (1.0 + np.exp(-v))
-
-
-def _gelu(v):
-    return 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0)))
-
-
-ACTIVATIONS = {"silu": _silu, "gelu": _gelu}
 
 
 def fused_moe(
@@ -333,8 +379,7 @@ def fused_moe(
         mid = act_dtype if mid == np.float64 else mid
     weights = np.asarray(topk_weights).astype(np.float64)
     num_tokens, topk = np.asarray(topk_ids).shape
-    num_experts, two_i, hidden = w1f.shape
-    inter = two_i // 2
+    num_experts, _, hidden = w1f.shape
     local = local_ids(topk_ids, num_experts, expert_map)
     out = np.zeros((num_tokens, hidden))
     for t in range(num_tokens):
@@ -350,7 +395,7 @@ def fused_moe(
                 q, s = per_token_group_quant_fp8(xt[None].astype(np.float32))
                 xt = dequant_per_token_group(q, s)[0]
             h = round_to(w1f[e] @ xt, mid)
-            a = round_to(round_to(ACTIVATIONS[activation](h[:inter]), mid) * h[inter:], mid)
+            a = act_and_mul(h, activation, mid)
             if is_fp8:
                 q, s = per_token_group_quant_fp8(a[None].astype(np.float32))
                 a = dequant_per_token_group(q, s)[0]

@@ -1,11 +1,24 @@
-"""FP8 group quantization kernels (alone and fused after act(gate) * up) vs references and
-NumPy oracles."""
+"""FP8 group quantization kernels (alone and fused after act(gate) * up) vs references and the
+float64 NumPy oracles.
+
+Interpret mode and the compiled kernel run one kernel body. The quantization's roundings (the
+scale and quotient divisions, correctly rounded; the casts to the activation dtype and to e4m3,
+round-to-nearest-even) are the same functions in both modes, spelled per backend in
+`moe_jax.kernels.act_quant._divide` / `_round`. So on the CPU, `pallas_interpret` bitwise equal to
+the reference covers the compiled quantization, except:
+
+- the two spellings themselves (the compiled `div.rn.f32` inline PTX and Triton's casts): the
+  GPU-marked tests check them, bitwise against the reference, for `group_quant` and for
+  `act_and_quant` on inputs whose activation is exact;
+- the activation's float32 arithmetic (`exp` and silu's division), which Triton lowers to its own
+  GPU instructions: on random inputs the compiled act + quant kernel is held to one FP8 step of
+  the reference, not bitwise.
+"""
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import oracles
 import pytest
@@ -15,9 +28,7 @@ from moe_jax.kernels.act_quant import (
     COMPILED_ACTIVATIONS,
     ActQuantConfig,
     act_and_quant,
-    act_and_quant_reference,
     group_quant,
-    group_quant_reference,
 )
 
 IMPLS = [
@@ -32,83 +43,125 @@ class Problem:
     rows: int
     inter: int
     dtype: str
+    seed: int
 
     def __str__(self):
         return f"M{self.rows}-I{self.inter}-{self.dtype}"
 
 
 PROBLEMS = [
-    Problem(1, 128, "bfloat16"),
-    Problem(77, 256, "bfloat16"),
-    Problem(40, 384, "float32"),
-    Problem(33, 128, "float16"),
-    Problem(0, 128, "bfloat16"),
+    Problem(1, 128, "bfloat16", seed=1),
+    Problem(77, 256, "bfloat16", seed=2),
+    Problem(40, 384, "float32", seed=3),
+    Problem(33, 128, "float16", seed=4),
+    Problem(0, 128, "bfloat16", seed=5),
 ]
 
 
-def oracle(h: np.ndarray, activation: str, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """NumPy: act in float64, rounded to dtype; product rounded to dtype; vLLM group quant."""
-    h = h.astype(np.float64)
-    inter = h.shape[1] // 2
-    gate, up = h[:, :inter], h[:, inter:]
-    if activation == "silu":
-        act = gate / (1.0 + np.exp(-gate))
-    else:
-        from math import erf
-
-        act = 0.5 * gate * (1.0 + np.vectorize(erf, otypes=[np.float64])(gate / np.sqrt(2.0)))
-    act = act.astype(np.float32).astype(dtype).astype(np.float64)
-    a = (act * up).astype(dtype).astype(np.float64)
-    groups = a.reshape(a.shape[0], a.shape[1] // 128, 128)
-    scales = (np.maximum(np.abs(groups).max(-1, initial=0.0), 1e-10) / 448.0).astype(np.float32)
-    q = np.clip(groups / scales[..., None].astype(np.float64), -448, 448)
-    q = q.astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
-    return q.reshape(a.shape), scales
+def _inputs(problem: Problem, *, scale: float, salt: int) -> jax.Array:
+    rng = np.random.default_rng(problem.seed * 10 + salt)
+    return jnp.asarray(
+        rng.standard_normal((problem.rows, 2 * problem.inter)) * scale, problem.dtype
+    )
 
 
-def _run(impl, h, activation):
+def _run_act(impl, h, activation, **kwargs):
     if impl == "pallas" and activation not in COMPILED_ACTIVATIONS:
         with pytest.raises(NotImplementedError, match="Triton cannot lower erf"):
             act_and_quant(h, activation=activation)
         pytest.skip(f"{activation} has no compiled kernel (checked that it says so)")
     if impl == "reference":
-        return act_and_quant_reference(h, activation=activation)
-    return act_and_quant(h, activation=activation, interpret=impl == "pallas_interpret")
+        return jax.jit(act_and_quant_reference, static_argnames="activation")(
+            h, activation=activation
+        )
+    return act_and_quant(h, activation=activation, interpret=impl == "pallas_interpret", **kwargs)
+
+
+def _run_group(impl, x, **kwargs):
+    if impl == "reference":
+        return jax.jit(group_quant_reference)(x)
+    return group_quant(x, interpret=impl == "pallas_interpret", **kwargs)
+
+
+def _codes(q) -> np.ndarray:
+    return np.asarray(q.astype(jnp.float32))
+
+
+def _assert_bitwise(got, want):
+    (q, s), (q_ref, s_ref) = got, want
+    np.testing.assert_array_equal(_codes(q), _codes(q_ref))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+
+
+def _assert_within_one_step(q, scales, q_ref, s_ref, *, max_flips: float):
+    """Scales within float32 rounding; every code within one e4m3 step of the oracle's, and at
+    most `max_flips` of them different."""
+    np.testing.assert_allclose(np.asarray(scales), s_ref, rtol=1e-6)
+    codes, codes_ref = _codes(q), np.asarray(q_ref).astype(np.float32)
+    step = 0.125 * np.abs(codes_ref) + 2.0**-9
+    assert np.all(np.abs(codes - codes_ref) <= step)
+    assert np.sum(codes != codes_ref) <= max_flips * codes_ref.size
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("problem", PROBLEMS, ids=str)
 def test_act_and_quant_matches_oracle(impl, activation, problem):
-    rng = np.random.default_rng(hash((str(problem), activation)) % 2**32)
-    dtype = jnp.dtype(problem.dtype)
-    h = jnp.asarray(rng.standard_normal((problem.rows, 2 * problem.inter)) * 4, dtype)
-    q, scales = _run(impl, h, activation)
-    q_ref, s_ref = oracle(np.asarray(h.astype(jnp.float32)), activation, dtype)
+    h = _inputs(problem, scale=4.0, salt=1)
+    q, scales = _run_act(impl, h, activation)
     assert q.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
     assert q.shape == (problem.rows, problem.inter)
     assert scales.shape == (problem.rows, problem.inter // 128)
-    # Scales within float32 rounding of the oracle's; q within one e4m3 step (float32 vs float64
-    # activation and transcendental differences can move a value across a rounding boundary).
-    np.testing.assert_allclose(np.asarray(scales), s_ref, rtol=1e-6)
-    dq = np.asarray(q.astype(jnp.float32)) * np.repeat(np.asarray(scales), 128, axis=1)
-    dq_ref = q_ref.astype(np.float32) * np.repeat(s_ref, 128, axis=1)
-    one_step = 0.125 * np.abs(dq_ref) + np.repeat(s_ref, 128, axis=1) * 2.0**-9
-    assert np.all(np.abs(dq - dq_ref) <= one_step)
-    mismatched = np.sum(np.asarray(q.astype(jnp.float32)) != q_ref.astype(np.float32))
-    assert mismatched <= 0.01 * q_ref.size
+    # The oracle's activation is float64: a float32 activation can land on the other side of a
+    # bf16 rounding boundary, moving that code by one step (about 1% of codes at most).
+    a = oracles.act_and_mul(np.asarray(h.astype(jnp.float32)), activation, jnp.dtype(h.dtype))
+    q_ref, s_ref = oracles.per_token_group_quant_fp8(a.astype(np.float32))
+    _assert_within_one_step(q, scales, q_ref, s_ref, max_flips=0.01)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("problem", PROBLEMS, ids=str)
-def test_interpret_kernel_is_bitwise_reference(problem):
-    rng = np.random.default_rng(7)
-    h = jnp.asarray(rng.standard_normal((problem.rows, 2 * problem.inter)) * 4, problem.dtype)
-    q, s = act_and_quant(h, config=ActQuantConfig(block_m=16), interpret=True)
-    q_ref, s_ref = jax.jit(act_and_quant_reference)(h)
-    np.testing.assert_array_equal(
-        np.asarray(q.astype(jnp.float32)), np.asarray(q_ref.astype(jnp.float32))
-    )
-    np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+def test_act_and_quant_kernel_is_bitwise_reference(impl, problem):
+    """Bitwise on random inputs where the body's arithmetic is shared: interpret mode always.
+    The compiled kernel's activation is Triton's own (module docstring): one step allowed."""
+    h = _inputs(problem, scale=4.0, salt=2)
+    got = _run_act(impl, h, "silu", config=ActQuantConfig(block_m=16))
+    want = jax.jit(act_and_quant_reference)(h)
+    if impl == "pallas":
+        _assert_within_one_step(*got, *map(np.asarray, want), max_flips=0.01)
+    else:
+        _assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("problem", PROBLEMS[:4], ids=str)
+def test_act_and_quant_rounding_is_bitwise_where_the_activation_is_exact(impl, problem):
+    """silu(g) == g exactly for g >= 20 (1 + exp(-g) rounds to 1) and silu(0) == 0, on any
+    hardware. So the product's rounding and the quantization, the arithmetic the two modes share,
+    must match the reference bit for bit, compiled kernel included."""
+    rng = np.random.default_rng(problem.seed * 10 + 3)
+    gate = rng.uniform(20.0, 40.0, (problem.rows, problem.inter))
+    gate[rng.random(gate.shape) < 0.25] = 0.0
+    up = rng.standard_normal((problem.rows, problem.inter)) * 3
+    h = jnp.asarray(np.concatenate([gate, up], axis=1), problem.dtype)
+    got = _run_act(impl, h, "silu")
+    _assert_bitwise(got, jax.jit(act_and_quant_reference)(h))
+    a = oracles.act_and_mul(np.asarray(h.astype(jnp.float32)), "silu", jnp.dtype(h.dtype))
+    q_ref, s_ref = oracles.per_token_group_quant_fp8(a.astype(np.float32))
+    _assert_bitwise(got, (jnp.asarray(q_ref), s_ref))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_group_quant_is_bitwise_the_oracle(impl, problem):
+    """Every implementation divides correctly rounded (the compiled kernel by `div.rn.f32`), so
+    all of them equal the float32 NumPy recipe, and so the reference, bit for bit."""
+    x = _inputs(problem, scale=5.0, salt=4)
+    q, scales = _run_group(impl, x, config=None if impl == "reference" else ActQuantConfig())
+    assert q.shape == x.shape and scales.shape == (problem.rows, x.shape[1] // 128)
+    q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x.astype(jnp.float32)))
+    _assert_bitwise((q, scales), (jnp.asarray(q_ref), s_ref))
+    _assert_bitwise((q, scales), jax.jit(group_quant_reference)(x))
 
 
 def test_bad_inputs_raise():
@@ -122,31 +175,3 @@ def test_bad_inputs_raise():
         act_and_quant(jnp.zeros((4, 256), jnp.bfloat16), activation="relu")
     with pytest.raises(ValueError, match="power of two"):
         ActQuantConfig(block_m=24)
-
-
-def _assert_within_one_step(q, scales, q_ref, s_ref):
-    """Scales to float32 rounding; codes equal but for rare one-step flips at rounding midpoints
-    (Triton's float32 division is not always correctly rounded)."""
-    np.testing.assert_allclose(np.asarray(scales), s_ref, rtol=1e-6)
-    codes, codes_ref = np.asarray(q.astype(jnp.float32)), q_ref.astype(np.float32)
-    step = 0.125 * np.abs(codes_ref) + 2.0**-9
-    assert np.all(np.abs(codes - codes_ref) <= step)
-    assert np.sum(codes != codes_ref) <= 0.01 * codes_ref.size
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
-def test_group_quant_matches_oracle(impl, problem):
-    rng = np.random.default_rng(hash(str(problem)) % 2**32)
-    x = jnp.asarray(rng.standard_normal((problem.rows, 2 * problem.inter)) * 5, problem.dtype)
-    if impl == "reference":
-        q, scales = group_quant_reference(x)
-    else:
-        q, scales = group_quant(x, interpret=impl == "pallas_interpret")
-    q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x.astype(jnp.float32)))
-    assert q.shape == x.shape and scales.shape == (problem.rows, x.shape[1] // 128)
-    if impl == "pallas":
-        _assert_within_one_step(q, scales, q_ref, s_ref)
-    else:  # the reference and interpret mode divide exactly: bitwise
-        np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), q_ref.astype(np.float32))
-        np.testing.assert_array_equal(np.asarray(scales), s_ref)
