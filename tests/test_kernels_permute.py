@@ -1,4 +1,6 @@
-"""Pallas permute (`moe_jax.kernels.permute`) vs a numpy oracle and, bit for bit, the reference."""
+"""Pallas permute (`moe_jax.kernels.permute`) vs the NumPy loop in `oracles.permute` and, bit for
+bit, the reference. A copy has no arithmetic, so interpret mode covers the compiled kernel's
+results; only its Triton indexing and masking run on the GPU alone (`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracles
 import pytest
 
 from moe_jax import kernels, layouts
@@ -67,61 +70,18 @@ def _routing(problem: Problem, rng: np.random.Generator):
     return ids, None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
 
 
-def permute_oracle(x, ids, *, num_experts, expert_map, alignment, x_scales=None):
-    """Dumbest per-expert loop in numpy float64: the contiguous layout from its definition."""
-    x = np.asarray(x.astype(jnp.float32), np.float64)
-    scales = None if x_scales is None else np.asarray(x_scales, np.float64)
-    ids = np.asarray(ids)
-    num_tokens, topk = ids.shape
-    local = np.full(ids.shape, -1)
-    for t in range(num_tokens):
-        for j in range(topk):
-            g = int(ids[t, j])
-            if expert_map is not None:
-                g = int(expert_map[g]) if 0 <= g < len(expert_map) else -1
-            local[t, j] = g if 0 <= g < num_experts else -1
-    rows, row_scales, expert_ids, ends = [], [], [], []
-    inverse = np.full(ids.shape, -1)
-    counts = np.zeros(num_experts, np.int64)
-    for e in range(num_experts):
-        for t in range(num_tokens):
-            for j in range(topk):
-                if local[t, j] == e:
-                    inverse[t, j] = len(rows)
-                    rows.append(x[t])
-                    row_scales.append(None if scales is None else scales[t])
-                    expert_ids.append(e)
-                    counts[e] += 1
-        while len(rows) % alignment:
-            rows.append(np.zeros(x.shape[1]))
-            row_scales.append(None if scales is None else np.zeros(scales.shape[1]))
-            expert_ids.append(-1)
-        ends.append(len(rows))
-    pairs = num_tokens * topk
-    num_rows = -(-(pairs + min(pairs, num_experts) * (alignment - 1)) // alignment) * alignment
-    while len(rows) < num_rows:  # worst-case static size; the tail is padding
-        rows.append(np.zeros(x.shape[1]))
-        row_scales.append(None if scales is None else np.zeros(scales.shape[1]))
-        expert_ids.append(-1)
-    out = dict(
-        rows=np.array(rows).reshape(num_rows, x.shape[1]),
-        expert_ids=np.array(expert_ids, np.int64),
-        inverse=inverse,
-        num_tokens_per_expert=counts,
-        expert_ends=np.array(ends, np.int64),
+_reference = jax.jit(layouts.permute_reference, static_argnames=("num_experts", "alignment"))
+
+
+def _oracle(x, ids, *, num_experts, expert_map, alignment, x_scales=None):
+    return oracles.permute(
+        np.asarray(x),
+        np.asarray(ids),
+        num_experts,
+        alignment=alignment,
+        expert_map=None if expert_map is None else np.asarray(expert_map),
+        x_scales=None if x_scales is None else np.asarray(x_scales),
     )
-    if scales is not None:
-        out["row_scales"] = np.array(row_scales).reshape(num_rows, scales.shape[1])
-    return out
-
-
-def _reference(x, ids, **kwargs):
-    # layouts.contiguous_destinations broadcasts [P, 1] against [E]; allow that rank promotion.
-    with jax.numpy_rank_promotion("allow"):
-        return _jitted_reference(x, ids, **kwargs)
-
-
-_jitted_reference = jax.jit(layouts.permute_reference, static_argnames=("num_experts", "alignment"))
 
 
 def _run(impl, x, ids, **kwargs):
@@ -143,13 +103,14 @@ def _assert_bitwise(a: layouts.ContiguousLayout, b: layouts.ContiguousLayout):
 
 def _assert_matches_oracle(lay, oracle):
     # A copy is exact in every dtype, so the oracle comparison has zero tolerance.
-    np.testing.assert_array_equal(np.asarray(lay.rows.astype(jnp.float32)), oracle["rows"])
+    rows = oracle["rows"].astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(lay.rows.astype(jnp.float32)), rows)
     for field in ("expert_ids", "inverse", "num_tokens_per_expert", "expert_ends"):
         np.testing.assert_array_equal(np.asarray(getattr(lay, field)), oracle[field], field)
     assert lay.inverse.dtype == jnp.int32 and lay.expert_ids.dtype == jnp.int32
     is_pad = np.asarray(lay.expert_ids) < 0
     assert not np.any(np.asarray(lay.rows.astype(jnp.float32))[is_pad]), "padding rows not zero"
-    if "row_scales" in oracle:
+    if oracle["row_scales"] is not None:
         np.testing.assert_array_equal(np.asarray(lay.row_scales), oracle["row_scales"])
         assert not np.any(np.asarray(lay.row_scales)[is_pad]), "padding scales not zero"
 
@@ -157,14 +118,14 @@ def _assert_matches_oracle(lay, oracle):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
 def test_permute_matches_oracle(impl, problem):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(oracles.seed("permute", str(problem)))
     ids, expert_map = _routing(problem, rng)
     x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)), problem.dtype)
     kwargs = dict(
         num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
     )
     lay = _run(impl, x, ids, **kwargs)
-    _assert_matches_oracle(lay, permute_oracle(x, ids, **kwargs))
+    _assert_matches_oracle(lay, _oracle(x, ids, **kwargs))
     _assert_bitwise(lay, _reference(x, ids, **kwargs))
 
 
@@ -177,7 +138,7 @@ FP8_PROBLEMS = [
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("problem", FP8_PROBLEMS, ids=str)
 def test_permute_fp8_rows_carry_scales(impl, problem):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(oracles.seed("permute_fp8", str(problem)))
     ids, expert_map = _routing(problem, rng)
     x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)) * 3, jnp.float32)
     q, scales = per_token_group_quant_fp8(x)
@@ -186,12 +147,12 @@ def test_permute_fp8_rows_carry_scales(impl, problem):
     )
     lay = _run(impl, q, ids, x_scales=scales, **kwargs)
     assert lay.rows.dtype == jnp.float8_e4m3fn and lay.row_scales.dtype == jnp.float32
-    _assert_matches_oracle(lay, permute_oracle(q, ids, x_scales=scales, **kwargs))
+    _assert_matches_oracle(lay, _oracle(q, ids, x_scales=scales, **kwargs))
     _assert_bitwise(lay, _reference(q, ids, x_scales=scales, **kwargs))
 
 
 def test_permute_front_module_runs_the_kernel():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(21)
     ids = jnp.asarray(rng.integers(-1, 5, (6, 2)), jnp.int32)
     x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
     got = permute_front.permute(x, ids, num_experts=4, alignment=4, impl="pallas_interpret")
@@ -200,7 +161,7 @@ def test_permute_front_module_runs_the_kernel():
 
 def test_routing_metadata_many_blocks_matches_reference():
     # More pairs than one rank block (128): exercises the cross-block prefix. Metadata only.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(22)
     ids = jnp.asarray(rng.integers(-1, 9, (97, 5)), jnp.int32)
     local = layouts.map_expert_ids(ids, num_experts=7)
     num_rows = layouts.contiguous_num_rows(97, 5, 7, 16)

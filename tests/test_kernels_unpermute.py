@@ -1,4 +1,8 @@
-"""Pallas unpermute (`moe_jax.kernels.unpermute`) against a numpy float64 oracle."""
+"""Pallas unpermute (`moe_jax.kernels.unpermute`) against the float64 loop in `oracles.unpermute`.
+
+Both modes run one kernel body that sums float32 products in slot order, as the reference does.
+What interpret mode does not cover: Triton may contract the multiply-add into an FMA on the GPU,
+so every implementation is held to the oracle's tolerance rather than to the reference's bits."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracles
 import pytest
 
 from moe_jax import kernels, layouts
@@ -50,19 +55,6 @@ CI_PROBLEMS = [
 ]
 
 
-def unpermute_oracle(y, inverse, weights):
-    """Per-token loop in float64: sum of w * y[row] over the valid slots."""
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    inverse = np.asarray(inverse)
-    out = np.zeros((inverse.shape[0], y.shape[1]))
-    for t in range(inverse.shape[0]):
-        for j in range(inverse.shape[1]):
-            if inverse[t, j] >= 0:
-                w = 1.0 if weights is None else float(weights[t, j])
-                out[t] += w * y[inverse[t, j]]
-    return out
-
-
 def _inputs(problem: Problem, dtype, rng: np.random.Generator):
     y = jnp.asarray(rng.standard_normal((problem.num_rows, problem.hidden)), dtype)
     # Rows drawn with repeats: two slots may read the same row.
@@ -72,6 +64,13 @@ def _inputs(problem: Problem, dtype, rng: np.random.Generator):
     if problem.has_weights:  # negative weights too
         weights = jnp.asarray(rng.uniform(-2, 2, inverse.shape), jnp.float32)
     return y, jnp.asarray(inverse, jnp.int32), weights
+
+
+def _oracle(y, inverse, weights) -> np.ndarray:
+    y = np.asarray(y.astype(jnp.float32))
+    return oracles.unpermute(
+        y, np.asarray(inverse), None if weights is None else np.asarray(weights)
+    )
 
 
 def _run(impl, y, inverse, weights, **kwargs):
@@ -86,11 +85,11 @@ def _run(impl, y, inverse, weights, **kwargs):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
 def test_unpermute_matches_oracle(impl, dtype, problem):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(oracles.seed("unpermute", str(problem), jnp.dtype(dtype).name))
     y, inverse, weights = _inputs(problem, dtype, rng)
     out = _run(impl, y, inverse, weights)
     assert out.shape == (problem.num_tokens, problem.hidden) and out.dtype == dtype
-    expected = unpermute_oracle(y, inverse, weights)
+    expected = _oracle(y, inverse, weights)
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, **TOL[dtype])
     is_empty = np.all(np.asarray(inverse) < 0, axis=1)
     assert not np.any(np.asarray(out.astype(jnp.float32))[is_empty]), "tokens with no slot not 0"
@@ -100,19 +99,18 @@ def test_unpermute_matches_oracle(impl, dtype, problem):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_unpermute_bf16_rows_to_float32_output(impl):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(31)
     y, inverse, weights = _inputs(Problem("bf16_to_f32", 6, 8, 40, 192), jnp.bfloat16, rng)
     out = _run(impl, y, inverse, weights, out_dtype=jnp.float32)
     assert out.dtype == jnp.float32
-    np.testing.assert_allclose(out, unpermute_oracle(y, inverse, weights), **TOL[jnp.float32])
-    with jax.numpy_rank_promotion("allow"):
-        reference = layouts.unpermute_reference(y, inverse, weights, out_dtype=jnp.float32)
+    np.testing.assert_allclose(out, _oracle(y, inverse, weights), **TOL[jnp.float32])
+    reference = layouts.unpermute_reference(y, inverse, weights, out_dtype=jnp.float32)
     np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-6)
 
 
 def test_unpermute_undoes_permute_of_the_kernel():
     # Round trip: permute then unpermute with unit weights sums each token's valid copies.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(32)
     x = jnp.asarray(rng.standard_normal((5, 128)), jnp.float32)
     ids = jnp.asarray(rng.integers(-1, 4, (5, 3)), jnp.int32)
     lay = permute_front.permute(x, ids, num_experts=3, alignment=4, impl="pallas_interpret")
