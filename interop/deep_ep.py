@@ -18,11 +18,13 @@ DeepEP's handle crosses from the dispatch call to the combine call as a named py
 DeepEP's int64 `topk_idx` (`deep_ep_layouts.topk_idx_words`): no cast kernel per call.
 
 Hazards: DeepEP allocates its dispatch outputs in torch's pool and the callback copies them into
-XLA's buffers (LL: only the valid rows, one Triton kernel on the GPU; HT: whole buffers);
-combines write straight into XLA's output (no copy). The callbacks allocate, so they are not
-CUDA-graph safe. Calls sharing a Buffer are ordered only by their data dependencies, which the
-handle provides between a dispatch and its combine; DeepEP's LL mode keeps two receive buffers,
-so at most two LL dispatches may be in flight before their combines.
+XLA's buffers (`LL_RECV_COPIES`); LL combine writes straight into XLA's output (no copy). Each
+callback costs host time (DLPack imports, DeepEP's Python wrapper): at 128 tokens per rank the LL
+round trip is host-bound, about 3x a direct DeepEP call (BENCHMARKS.md). The callbacks
+allocate, so they are not CUDA-graph safe. Calls sharing a Buffer are ordered only by their
+data dependencies, which the handle provides between a dispatch and its combine; DeepEP's LL
+mode keeps two receive buffers, so at most two LL dispatches may be in flight before their
+combines.
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ HT_NUM_SMS = 20
 # receive buffer), in tokens.
 HT_DISPATCH_TUNING = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
 HT_COMBINE_TUNING = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)}
-# How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies rows < recv_count (one
-# Triton kernel; GPU), "all_rows" copies whole buffers (torch; any device); "auto" picks the first
-# on a GPU backend.
+# How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
+# (one Triton kernel, GPU only: fewer bytes, but ~80 us more host time per call), "all_rows" copies
+# whole buffers (five torch copies, any device). "auto" is "all_rows": at T_max=128, E_local=32,
+# H=7168 on one H200 (2026-12-01) a dispatch -> combine round trip took 224 us with "all_rows" and
+# 274 us with "valid_rows", both bound by host time. "valid_rows" pays when the buffers are large
+# (E_local * R * T_max * H bytes of rows copied per call, ~10 us per 15 MB).
 LL_RECV_COPIES = (AUTO, "valid_rows", "all_rows")
 
 
@@ -198,7 +203,9 @@ class DeepEPHighThroughput(PrepareFinalize):
             # V1's positional handle, in `HTHandle`'s field order; bool crosses as int8.
             prefix, channel, recv_channel, src_idx, in_rank, send_head = handle
             handle_parts = [prefix, channel, recv_channel, src_idx, in_rank.view(torch.int8)]
-            for o, t in zip(out, [*received, recv_ids, recv_w, *handle_parts, send_head], strict=True):
+            for o, t in zip(
+                out, [*received, recv_ids, recv_w, *handle_parts, send_head], strict=True
+            ):
                 if tuple(o.shape) != tuple(t.shape):
                     raise ValueError(
                         f"DeepEP returned {tuple(t.shape)} where {tuple(o.shape)} "
@@ -392,9 +399,9 @@ class DeepEPLowLatency:
             jax.ShapeDtypeStruct((e_loc, t_tot), jnp.int32),
             jax.ShapeDtypeStruct((e_loc, 2 * p.num_ranks), jnp.int32),
         ]
-        copy = self.recv_copy
-        if copy == AUTO:
-            copy = "valid_rows" if jax.default_backend() == "gpu" else "all_rows"
+        copy = "all_rows" if self.recv_copy == AUTO else self.recv_copy
+        if copy == "valid_rows" and jax.default_backend() != "gpu":
+            raise ValueError("recv_copy='valid_rows' is a GPU (Triton) kernel; use 'all_rows'")
         ids_from_words = _ids_from_words(torch, deep_ep)
 
         def dispatch(out, x_t, words_t):
@@ -437,7 +444,13 @@ class DeepEPLowLatency:
         ids_from_words = _ids_from_words(torch, deep_ep)
 
         def combine(out, y_t, words_t, w_t, src_info, layout_range):
-            handle = (src_info, layout_range.view(torch.int64), p.num_tokens, p.hidden, p.num_experts)
+            handle = (
+                src_info,
+                layout_range.view(torch.int64),
+                p.num_tokens,
+                p.hidden,
+                p.num_experts,
+            )
             buffer.low_latency_combine(
                 y_t,
                 ids_from_words(words_t),

@@ -83,14 +83,18 @@ def init_distributed(
 
     host, sep, port = coordinator_address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"{coordinator_address=}: expected 'host:port', e.g. {DEFAULT_COORDINATOR}")
+        raise ValueError(
+            f"{coordinator_address=}: expected 'host:port', e.g. {DEFAULT_COORDINATOR}"
+        )
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(f"{process_id=} must be in [0, {num_processes=}) with num_processes >= 1")
     has_cuda = torch.cuda.is_available()
     local = None
     kwargs = {}
     if has_cuda:
-        local = process_id % torch.cuda.device_count() if local_device_id is None else local_device_id
+        local = (
+            process_id % torch.cuda.device_count() if local_device_id is None else local_device_id
+        )
         kwargs["local_device_ids"] = [local]
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
@@ -172,8 +176,11 @@ def launch(
     ]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     status = 0
-    while status == 0 and any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+    while status == 0:
+        codes = [p.poll() for p in procs]  # poll every process (no short-circuit)
+        if all(code is not None for code in codes):
+            break
+        failed = [code for code in codes if code not in (None, 0)]
         if failed:
             status = failed[0]
         elif deadline is not None and time.monotonic() > deadline:

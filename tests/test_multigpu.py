@@ -1,0 +1,112 @@
+"""The one-process-per-GPU launcher (`moe_jax.distributed`) and the multi-GPU EP checks.
+
+The launcher test runs on the CPU: two processes start jax.distributed and torch.distributed
+(gloo) together and all-reduce through the group DeepEP would use. The `multigpu` test runs
+`scripts/ep_multigpu.py --quick` on 2 GPUs (DeepEP high-throughput + ContiguousExperts with
+DeepGEMM FP8, DeepEP low-latency, and JAX-native EP, each against single-device fused_moe) and
+skips with a reason when fewer than 2 GPUs are visible.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from moe_jax import distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = """
+import argparse, jax, torch, torch.distributed as dist
+from moe_jax import distributed
+parser = argparse.ArgumentParser()
+distributed.add_arguments(parser)
+ctx = distributed.init_from_args(parser.parse_args())
+total = torch.ones(1) * (ctx.process_id + 1)
+dist.all_reduce(total, group=ctx.group)
+print(f"rank={ctx.process_id} jax_processes={jax.process_count()} sum={int(total.item())}")
+distributed.shutdown_distributed()
+"""
+
+
+def test_launcher_starts_jax_and_torch_together(tmp_path):
+    pytest.importorskip("torch", reason="torch.distributed is the group DeepEP takes")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.distributed",
+            "--num-processes",
+            "2",
+            "--coordinator-address",
+            "127.0.0.1:29641",
+            "--timeout-s",
+            "240",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"rank={rank} jax_processes=2 sum=3" in proc.stdout
+
+
+def test_launcher_reports_the_first_failure_and_stops_the_rest(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import sys, time\n"
+        "rank = int(sys.argv[sys.argv.index('--process-id') + 1])\n"
+        "sys.exit(3) if rank == 1 else time.sleep(60)\n"
+    )
+    status = distributed.launch([str(script)], num_processes=2, timeout_s=50)
+    assert status == 3
+
+
+def test_init_distributed_rejects_bad_arguments():
+    pytest.importorskip("torch", reason="init_distributed starts torch.distributed")
+    with pytest.raises(ValueError, match="host:port"):
+        distributed.init_distributed(coordinator_address="nohost", num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match="process_id=2"):
+        distributed.init_distributed(
+            coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2
+        )
+
+
+def _num_gpus() -> int:
+    return jax.device_count() if jax.default_backend() == "gpu" else 0
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(_num_gpus() < 2, reason="needs 2 GPUs on one host (one process per GPU)")
+def test_expert_parallel_on_two_gpus_matches_fused_moe():
+    if importlib.util.find_spec("deep_ep") is None:
+        pytest.skip("deep_ep is not installed (pip install tokenspeed-deepep==1.2.1.post20251110)")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_jax.distributed",
+            "--num-processes",
+            "2",
+            "--coordinator-address",
+            "127.0.0.1:29651",
+            os.path.join(ROOT, "scripts", "ep_multigpu.py"),
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count('"failures": []') == 2
