@@ -20,7 +20,7 @@ DeepEP's int64 `topk_idx` (`deep_ep_layouts.topk_idx_words`): no cast kernel per
 Hazards: DeepEP allocates its dispatch outputs in torch's pool and the callback copies them into
 XLA's buffers (`LL_RECV_COPIES`); LL combine writes straight into XLA's output (no copy). Each
 callback costs host time (DLPack imports, DeepEP's Python wrapper): at 128 tokens per rank the LL
-round trip is host-bound, about 3x a direct DeepEP call (BENCHMARKS.md). The callbacks
+round trip is host-bound, 2.7-4.3x a direct DeepEP call (BENCHMARKS.md). The callbacks
 allocate, so they are not CUDA-graph safe. Calls sharing a Buffer are ordered only by their
 data dependencies, which the handle provides between a dispatch and its combine; DeepEP's LL
 mode keeps two receive buffers, so at most two LL dispatches may be in flight before their
@@ -63,11 +63,11 @@ HT_NUM_SMS = 20
 HT_DISPATCH_TUNING = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128)}
 HT_COMBINE_TUNING = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128)}
 # How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
-# (one Triton kernel, GPU only: fewer bytes, but ~80 us more host time per call), "all_rows" copies
-# whole buffers (five torch copies, any device). "auto" is "all_rows": at T_max=128, E_local=32,
-# H=7168 on one H200 (2026-12-01) a dispatch -> combine round trip took 224 us with "all_rows" and
-# 274 us with "valid_rows", both bound by host time. "valid_rows" pays when the buffers are large
-# (E_local * R * T_max * H bytes of rows copied per call, ~10 us per 15 MB).
+# (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device).
+# "auto" is "valid_rows" on a GPU backend (fewer bytes: ~7.6 MB instead of ~30 MB at T_max=128,
+# E_local=32, H=7168), else "all_rows". At that size the round trip is bound by host time and the
+# two were within run-to-run noise on one H200 (2026-12-01: 172 vs 203 us in one run, 274 vs
+# 224 us in another).
 LL_RECV_COPIES = (AUTO, "valid_rows", "all_rows")
 
 
@@ -399,8 +399,11 @@ class DeepEPLowLatency:
             jax.ShapeDtypeStruct((e_loc, t_tot), jnp.int32),
             jax.ShapeDtypeStruct((e_loc, 2 * p.num_ranks), jnp.int32),
         ]
-        copy = "all_rows" if self.recv_copy == AUTO else self.recv_copy
-        if copy == "valid_rows" and jax.default_backend() != "gpu":
+        is_gpu = jax.default_backend() == "gpu"
+        copy = self.recv_copy
+        if copy == AUTO:
+            copy = "valid_rows" if is_gpu else "all_rows"
+        if copy == "valid_rows" and not is_gpu:
             raise ValueError("recv_copy='valid_rows' is a GPU (Triton) kernel; use 'all_rows'")
         ids_from_words = _ids_from_words(torch, deep_ep)
 
