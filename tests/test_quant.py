@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +16,6 @@ from moe_jax import quant
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Round trip |dequant(quant(x)) - x| <= half an e4m3 ulp at the group's scale: 2^-4 * amax.
 ROUND_TRIP_RTOL = 2.0**-4
-
-
-def _seed(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
 
 
 def _bits(a) -> np.ndarray:
@@ -60,7 +55,7 @@ def _activations(shape, dtype, rng):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("problem", GROUP_PROBLEMS, ids=str)
 def test_per_token_group_quant_fp8_is_bitwise_the_oracle(problem, dtype, jit):
-    rng = np.random.default_rng(_seed("group", str(problem), dtype, jit))
+    rng = np.random.default_rng(oracles.seed("group", str(problem), dtype, jit))
     x = _activations(problem.shape, dtype, rng)
     fn = lambda a: quant.per_token_group_quant_fp8(a, problem.group_size)
     q, s = (jax.jit(fn) if jit else fn)(jnp.asarray(x))
@@ -106,7 +101,7 @@ BLOCK_PROBLEMS = [
 @pytest.mark.parametrize("problem", BLOCK_PROBLEMS, ids=str)
 def test_per_block_quant_fp8_is_bitwise_the_oracle(problem, dtype):
     """Including ragged edge tiles, which get their own scale from their own elements."""
-    rng = np.random.default_rng(_seed("block", str(problem), dtype))
+    rng = np.random.default_rng(oracles.seed("block", str(problem), dtype))
     w = rng.standard_normal(problem.shape) * np.exp2(rng.integers(-10, 4, problem.shape))
     w = w.astype(DTYPES[dtype])
     q, s = jax.jit(lambda a: quant.per_block_quant_fp8(a, problem.block_shape))(jnp.asarray(w))
@@ -127,7 +122,7 @@ def test_ragged_edge_tile_has_its_own_scale():
 
 @pytest.mark.parametrize("problem", GROUP_PROBLEMS[:4], ids=str)
 def test_group_dequant_round_trip(problem):
-    rng = np.random.default_rng(_seed("rt_group", str(problem)))
+    rng = np.random.default_rng(oracles.seed("rt_group", str(problem)))
     x = _activations(problem.shape, "float32", rng)
     q, s = quant.per_token_group_quant_fp8(jnp.asarray(x))
     back = quant.dequant_per_token_group(q, s)
@@ -141,7 +136,7 @@ def test_group_dequant_round_trip(problem):
 
 @pytest.mark.parametrize("problem", BLOCK_PROBLEMS, ids=str)
 def test_block_dequant_round_trip(problem):
-    rng = np.random.default_rng(_seed("rt_block", str(problem)))
+    rng = np.random.default_rng(oracles.seed("rt_block", str(problem)))
     w = rng.standard_normal(problem.shape).astype(np.float32)
     q, s = quant.per_block_quant_fp8(jnp.asarray(w), problem.block_shape)
     back = quant.dequant_per_block(q, s, problem.block_shape)

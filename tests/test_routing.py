@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,6 @@ from moe_jax import fused_topk, grouped_topk
 # Weights are float32 probabilities; ids must match exactly.
 TOL = {"float32": dict(rtol=2e-6, atol=1e-7), "bfloat16": dict(rtol=2e-6, atol=1e-7)}
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-def _seed(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
 
 
 def _maybe_jit(fn, jit: bool, **static):
@@ -58,7 +53,9 @@ TOPK_PROBLEMS = [
 @pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("problem", TOPK_PROBLEMS, ids=str)
 def test_fused_topk_matches_oracle(problem, scoring_func, renormalize, dtype, jit):
-    rng = np.random.default_rng(_seed("fused", str(problem), scoring_func, renormalize, dtype))
+    rng = np.random.default_rng(
+        oracles.seed("fused", str(problem), scoring_func, renormalize, dtype)
+    )
     logits = (2 * rng.standard_normal((problem.num_tokens, problem.num_experts))).astype(
         DTYPES[dtype]
     )
@@ -142,7 +139,7 @@ def _check_grouped(weights, ids, ref_w, ref_ids, tol):
 @pytest.mark.parametrize("problem", GROUPED_PROBLEMS, ids=str)
 def test_grouped_topk_matches_oracle(problem, scoring_func, renormalize, has_bias, scale, jit):
     rng = np.random.default_rng(
-        _seed("grouped", str(problem), scoring_func, renormalize, has_bias, scale, jit)
+        oracles.seed("grouped", str(problem), scoring_func, renormalize, has_bias, scale, jit)
     )
     logits = (2 * rng.standard_normal((problem.num_tokens, problem.num_experts))).astype(np.float32)
     bias = None
