@@ -103,6 +103,8 @@ class MoE(nnx.Module):
       router: a `RouterConfig`; the default is softmax top-k, renormalized (Mixtral).
       num_shared_experts: n; n > 0 adds a gated MLP of width n * I applied to every token
         (DeepSeek's shared experts) to the output.
+      has_shared_expert_gate: scale the shared experts' output per token by
+        sigmoid(x @ shared_gate_kernel) (Qwen2-MoE's `shared_expert_gate`); needs n > 0.
       activation: "silu" or "gelu", on the gate half.
       quant_config: `quant.Fp8BlockQuant()` stores the expert weights (routed and shared) as
         float8_e4m3fn with float32 128x128 block scales; None keeps them in `param_dtype`.
@@ -127,6 +129,7 @@ class MoE(nnx.Module):
       w1_scale: float32[E, 2I/128, H/128]; w2_scale: float32[E, H/128, I/128]; None unless FP8.
       shared_w1: [2nI, H]; shared_w2: [H, nI]; None without shared experts.
       shared_w1_scale, shared_w2_scale: block scales of the shared weights under FP8, else None.
+      shared_gate_kernel: [H, 1] in param_dtype with `has_shared_expert_gate`, else None.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class MoE(nnx.Module):
         topk: int,
         router: RouterConfig = RouterConfig(),
         num_shared_experts: int = 0,
+        has_shared_expert_gate: bool = False,
         activation: str = "silu",
         quant_config: quant.Fp8BlockQuant | None = None,
         dtype: jnp.dtype | None = None,
@@ -160,6 +164,10 @@ class MoE(nnx.Module):
             raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}]")
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
+        if has_shared_expert_gate and not num_shared_experts:
+            raise ValueError(
+                "has_shared_expert_gate=True gates the shared experts: set num_shared_experts > 0"
+            )
         if chunk_size is not None and (
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0
         ):
@@ -222,6 +230,10 @@ class MoE(nnx.Module):
             self.shared_w2 = nnx.data(None)
         self.shared_w1_scale = nnx.data(None)
         self.shared_w2_scale = nnx.data(None)
+        if has_shared_expert_gate:
+            self.shared_gate_kernel = nnx.Param(router_init(rngs.params(), (h, 1), param_dtype))
+        else:
+            self.shared_gate_kernel = nnx.data(None)
         if quant_config is not None:
             self.quantize(quant_config)
 
@@ -336,7 +348,17 @@ class MoE(nnx.Module):
             **scales,
         )
         if self.num_shared_experts:
-            out = out + self._shared(h)
+            shared = self._shared(h)
+            if self.shared_gate_kernel is not None:
+                gate = jax.nn.sigmoid(
+                    jnp.dot(
+                        tokens.astype(jnp.float32),
+                        self.shared_gate_kernel[...].astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST,
+                    )
+                )
+                shared = (gate * shared.astype(jnp.float32)).astype(shared.dtype)
+            out = out + shared
         return out.reshape(*lead, self.hidden_size)
 
     def _shared(self, h: jax.Array) -> jax.Array:

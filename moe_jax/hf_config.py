@@ -114,8 +114,8 @@ def moe_kwargs_from_hf_config(config: Mapping[str, Any] | Any) -> dict[str, Any]
 
     Returns:
       hidden_size, intermediate_size, num_experts, topk, router (a `RouterConfig`), activation,
-      and num_shared_experts for qwen2_moe and deepseek_v3. For qwen2_moe the shared expert's
-      sigmoid gate has no `MoE` counterpart: `load_hf_moe` refuses such checkpoints.
+      num_shared_experts for qwen2_moe and deepseek_v3, and has_shared_expert_gate for qwen2_moe
+      (its shared expert's per-token sigmoid gate).
 
     Raises:
       ValueError: an unknown model_type (the message lists the supported ones) or a missing
@@ -163,6 +163,7 @@ def moe_kwargs_from_hf_config(config: Mapping[str, Any] | Any) -> dict[str, Any]
                     "num_shared_experts * intermediate_size wide"
                 )
             kwargs["num_shared_experts"] = shared // intermediate
+            kwargs["has_shared_expert_gate"] = True
         return kwargs
     # deepseek_v3
     n_group, topk_group = cfg.get("n_group"), cfg.get("topk_group")

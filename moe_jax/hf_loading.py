@@ -6,8 +6,8 @@
     moe_from_pretrained(path, 3)                          a checkpoint directory, read lazily
 
 `load_hf_moe(layer, state_dict, prefix)` fills a layer you built. Supported model types:
-Mixtral, Qwen3-MoE, DeepSeek-V3 (float or FP8 `weight_scale_inv`), and Qwen2-MoE up to its
-shared-expert gate, which `MoE` lacks (loading refuses; `hf_moe_params` returns all arrays).
+Mixtral, Qwen3-MoE, DeepSeek-V3 (float or FP8 `weight_scale_inv`), and Qwen2-MoE (its shared
+expert and the expert's sigmoid gate: `MoE(has_shared_expert_gate=True)`).
 The pieces: `moe_jax.hf_config` (configs), `moe_jax.hf_weights` (namings, stacking),
 `moe_jax.hf_checkpoint` (safetensors directories).
 
@@ -53,17 +53,6 @@ __all__ = [
 ]
 
 
-def _refuse_gated_shared_expert(naming: HFNaming, prefix: str) -> None:
-    if naming.shared == "shared_expert":
-        raise NotImplementedError(
-            f"{prefix}mlp.shared_expert_gate is Qwen2-MoE's per-token gate on the shared expert "
-            "(shared output * sigmoid(x @ shared_expert_gate.weight.T)); moe_jax.flax_layer.MoE "
-            "has no such gate, so it cannot hold this block. hf_moe_params(state_dict, prefix) "
-            "returns every array (the gate as shared_gate_kernel [H, 1]): build MoE from the "
-            "routed ones and add the gated shared expert yourself"
-        )
-
-
 def _layer_arrays(layer: MoE, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Converts checkpoint arrays to the layer's format: FP8 <-> float as the layer holds them."""
     out = dict(params)
@@ -100,16 +89,15 @@ def load_hf_moe(layer: MoE, state_dict: Mapping[str, Any], prefix: str = "") -> 
         differs (the message names the param, both shapes and the fix); no MoE block under
         the prefix.
       KeyError: expert weights are missing.
-      NotImplementedError: a Qwen2-MoE block (its shared-expert gate has no `MoE` param).
     """
-    _refuse_gated_shared_expert(detect_hf_naming(state_dict, prefix), prefix)
     arrays = _layer_arrays(layer, hf_moe_params(state_dict, prefix))
     layer_params = {name for name, v in vars(layer).items() if isinstance(v, nnx.Param)}
     if extra := sorted(set(arrays) - layer_params):
         raise ValueError(
             f"the checkpoint under {prefix!r} has {extra} but the layer does not: build it with "
             "router=RouterConfig(use_correction_bias=True, ...) for e_score_correction_bias and "
-            "num_shared_experts > 0 for shared_*"
+            "num_shared_experts > 0 for shared_* (and has_shared_expert_gate=True for "
+            "shared_gate_kernel)"
         )
     if absent := sorted(layer_params - set(arrays)):
         raise ValueError(
@@ -162,7 +150,6 @@ def moe_from_hf(
       ((4, 12, 8), (3, 8))
     """
     kwargs = moe_kwargs_from_hf_config(config) | layer_kwargs
-    _refuse_gated_shared_expert(detect_hf_naming(state_dict, prefix), prefix)
     layer = nnx.eval_shape(lambda: MoE(**kwargs, rngs=nnx.Rngs(0)))
     load_hf_moe(layer, state_dict, prefix)
     leftover = [

@@ -13,7 +13,6 @@ from moe_jax.hf_config import dense_layer_reason
 from moe_jax.hf_loading import (
     detect_hf_naming,
     hf_moe_params,
-    load_hf_moe,
     moe_from_hf,
     moe_kwargs_from_hf_config,
 )
@@ -137,7 +136,7 @@ def qwen2_state_dict(cfg: dict, seed=0) -> dict:
     return sd
 
 
-def test_qwen2_moe_arrays_load_and_the_gate_is_refused():
+def test_qwen2_moe_arrays_load_with_the_shared_expert_gate():
     cfg = make_config("qwen2_moe", shared_expert_intermediate_size=32)
     sd = qwen2_state_dict(cfg)
     params = hf_moe_params(sd, PREFIX)
@@ -146,10 +145,10 @@ def test_qwen2_moe_arrays_load_and_the_gate_is_refused():
         params["shared_gate_kernel"], sd[PREFIX + "mlp.shared_expert_gate.weight"].T
     )
     assert params["shared_w1"].shape == (64, 32) and params["shared_w2"].shape == (32, 32)
-    with pytest.raises(NotImplementedError, match="shared_expert_gate.*hf_moe_params"):
-        moe_from_hf(sd, PREFIX, cfg)
-    with pytest.raises(NotImplementedError, match="shared_expert_gate"):
-        load_hf_moe(None, sd, PREFIX)  # refused from the keys alone, before the layer is used
+    layer = moe_from_hf(sd, PREFIX, cfg)
+    np.testing.assert_array_equal(
+        np.asarray(layer.shared_gate_kernel[...]), params["shared_gate_kernel"]
+    )
     del sd[PREFIX + "mlp.shared_expert_gate.weight"]
     with pytest.raises(KeyError, match="shared_expert_gate.weight"):
         hf_moe_params(sd, PREFIX)

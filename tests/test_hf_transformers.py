@@ -23,15 +23,11 @@ safetensors_torch = pytest.importorskip(
 )
 
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from moe_jax import quant  # noqa: E402
-from moe_jax.flax_layer import MoE  # noqa: E402
 from moe_jax.hf_loading import (  # noqa: E402
-    hf_moe_params,
     moe_from_hf,
     moe_from_pretrained,
-    moe_kwargs_from_hf_config,
 )
 
 H, I, E, K = 32, 16, 8, 2  # noqa: E741 (I: intermediate size)
@@ -137,27 +133,14 @@ def test_matches_transformers_block(model_type, naming):
 
 
 @pytest.mark.parametrize("naming", ["in_memory", "per_expert"])
-def test_qwen2_moe_routed_and_shared_arrays_match_transformers(naming):
-    """MoE has no shared-expert gate: the loader refuses, and the arrays it returns rebuild
-    transformers' output as routed MoE + sigmoid(x @ gate) * shared MLP."""
+def test_qwen2_moe_with_gated_shared_expert_matches_transformers(naming):
+    """Qwen2-MoE: routed experts plus sigmoid(x @ gate) * shared MLP, as transformers' block."""
     block, config = hf_block("qwen2_moe")
     sd = block_state_dict(block, "qwen2_moe", naming)
-    with pytest.raises(NotImplementedError, match="shared_expert_gate"):
-        moe_from_hf(sd, PREFIX, config)
-    params = hf_moe_params(sd, PREFIX)
-    kwargs = moe_kwargs_from_hf_config(config) | dict(num_shared_experts=0)
-    assert moe_kwargs_from_hf_config(config)["num_shared_experts"] == 2
-    routed = nnx.eval_shape(lambda: MoE(**kwargs, rngs=nnx.Rngs(0)))
-    for name in ("router_kernel", "w1", "w2"):
-        getattr(routed, name).set_value(jnp.asarray(params[name]))
+    layer = moe_from_hf(sd, PREFIX, config)
+    assert layer.shared_gate_kernel is not None and layer.num_shared_experts == 2
     x = tokens()
-    x64 = x.astype(np.float64)
-    gate_up = x64 @ params["shared_w1"].T.astype(np.float64)
-    g, u = np.split(gate_up, 2, axis=-1)
-    shared = (g / (1 + np.exp(-g)) * u) @ params["shared_w2"].T.astype(np.float64)
-    shared *= 1 / (1 + np.exp(-(x64 @ params["shared_gate_kernel"])))
-    got = np.asarray(routed(x)) + shared
-    np.testing.assert_allclose(got, hf_forward(block, x), **TOL)
+    np.testing.assert_allclose(np.asarray(layer(x)), hf_forward(block, x), **TOL)
 
 
 # --- checkpoint directories ----------------------------------------------------------------
