@@ -2,58 +2,74 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
 
 from moe_jax import grouped_gemm, layouts
-from moe_jax.grouped_gemm import GemmProblem
+from moe_jax.grouped_gemm import GEMMS, GemmProblem
+from moe_jax.registry import NoImplementationError
 
 
 def _problem(**changes) -> GemmProblem:
     base = dict(
         layout="contiguous",
-        num_rows=256,
         n=256,
         k=256,
-        num_groups=4,
+        num_experts=4,
+        num_pairs=256,
         x_dtype="float8_e4m3fn",
         w_dtype="float8_e4m3fn",
-        alignment=128,
         platform="cpu",
+        alignment=128,
     )
     return GemmProblem(**{**base, **changes})
 
 
 def test_every_named_backend_is_listed_and_loads():
-    names = grouped_gemm.available_gemms()
-    assert {"deep_gemm", "torch", "mosaic", "xla"} <= set(names)
+    names = GEMMS.names()
+    assert {"deep_gemm", "torch", "mosaic", "pallas", "pallas_interpret", "xla"} <= set(names)
     for name in names:
-        assert grouped_gemm.get_gemm(name).name == name
+        assert GEMMS.get(name).name == name
 
 
 def test_unknown_backend_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"unknown GEMM backend 'cutlass'; choose from \["):
-        grouped_gemm.get_gemm("cutlass")
+    with pytest.raises(ValueError, match=r"unknown grouped GEMM implementation 'cutlass'.*'xla'"):
+        GEMMS.get("cutlass")
 
 
 def test_a_named_backend_that_refuses_says_why():
-    with pytest.raises(NotImplementedError, match="mosaic"):
-        grouped_gemm.select_gemm("mosaic", _problem())
-
-
-def test_none_picks_the_first_backend_in_preference_that_runs():
     problem = _problem()
-    chosen = grouped_gemm.select_gemm(None, problem)
+    with pytest.raises(NoImplementationError) as error:
+        GEMMS.select("mosaic", problem)
+    assert list(error.value.refusals) == ["mosaic"]
+    assert error.value.refusals["mosaic"] == GEMMS.get("mosaic").unsupported_reason(problem)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_auto_picks_the_first_backend_in_preference_that_runs(platform):
+    problem = _problem(platform=platform)
+    chosen = GEMMS.select("auto", problem)
     assert chosen.unsupported_reason(problem) is None
-    for name in grouped_gemm.PREFERENCE[: grouped_gemm.PREFERENCE.index(chosen.name)]:
-        assert grouped_gemm.get_gemm(name).unsupported_reason(problem) is not None
-    assert grouped_gemm.get_gemm("deep_gemm").unsupported_reason(problem)  # CPU: refuses
+    preference = GEMMS.preference(problem)
+    for name in preference[: preference.index(chosen.name)]:
+        assert GEMMS.get(name).unsupported_reason(problem) is not None
+    if platform == "cpu":
+        assert preference == ("xla",) and chosen.name == "xla"
+
+
+def test_auto_prefers_the_pallas_gemm_for_decode_sizes_on_gpu():
+    decode = _problem(platform="gpu", num_pairs=8 * grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT // 2)
+    prefill = _problem(platform="gpu", num_pairs=4096 * 8)
+    assert GEMMS.preference(decode)[0] == "pallas"
+    assert GEMMS.preference(prefill)[:2] == ("deep_gemm", "torch")
+    assert GEMMS.preference(prefill)[-1] == "xla"
 
 
 def test_unknown_layout_is_refused():
-    assert "layout" in grouped_gemm.get_gemm("xla").unsupported_reason(_problem(layout="ragged"))
+    assert "layout" in GEMMS.get("xla").unsupported_reason(_problem(layout="ragged"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
@@ -76,25 +92,35 @@ def test_xla_contiguous_matches_float64_loop(dtype):
         x_scales=None if x_scales is None else jnp.asarray(x_scales),
         alignment=128,
     )
-    y = grouped_gemm.get_gemm("xla").contiguous(
-        lay.rows,
-        jnp.asarray(w),
-        lay.expert_ids,
-        lay.expert_ends,
-        x_scales=lay.row_scales,
-        w_scales=None if w_scales is None else jnp.asarray(w_scales),
-        alignment=128,
-        out_dtype=jnp.float32,
-    )
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        y = GEMMS.get("xla").contiguous(
+            lay.rows,
+            jnp.asarray(w),
+            lay.expert_ids,
+            lay.expert_ends,
+            x_scales=lay.row_scales,
+            w_scales=None if w_scales is None else jnp.asarray(w_scales),
+            alignment=128,
+            out_dtype=jnp.float32,
+        )
     x64 = oracles.dequant_per_token_group(x, x_scales) if dtype == "fp8" else x.astype(np.float64)
     w64 = oracles.dequant_per_block(w, w_scales) if dtype == "fp8" else w.astype(np.float64)
-    inverse, expert_ids = np.asarray(lay.inverse), np.asarray(lay.expert_ids)
-    y = np.asarray(y)
-    for t in range(num_tokens):
-        for j in range(topk):
-            if ids[t, j] < 0:
-                assert inverse[t, j] == -1
-                continue
-            row = inverse[t, j]
-            np.testing.assert_allclose(y[row], w64[ids[t, j]] @ x64[t], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(y[expert_ids < 0], 0.0)  # padding rows: zero from this backend
+    lay64 = oracles.permute(x64, ids, num_experts, alignment=128)
+    np.testing.assert_array_equal(lay.expert_ids, lay64["expert_ids"])
+    ref = oracles.grouped_gemm_contiguous(lay64["rows"], w64, lay64["expert_ids"])
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)  # padding rows: zero
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_xla_masked_matches_float64_loop(dtype):
+    rng = np.random.default_rng(6)
+    num_experts, max_m, k, n = 3, 5, 64, 48
+    x = rng.standard_normal((num_experts, max_m, k)).astype(jnp.dtype(dtype))
+    w = (rng.standard_normal((num_experts, n, k)) / 8).astype(jnp.dtype(dtype))
+    counts = np.array([5, 0, 2], np.int32)
+    with jax.default_matmul_precision("highest"):  # float32 dots, not TF32, on a GPU
+        y = GEMMS.get("xla").masked(
+            jnp.asarray(x), jnp.asarray(w), jnp.asarray(counts), out_dtype=jnp.float32
+        )
+    ref = oracles.grouped_gemm_masked(x, w, counts)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)  # rows past counts: 0
