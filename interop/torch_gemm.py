@@ -11,16 +11,21 @@ FP8 operands are dequantized in JAX first (to bfloat16 on the GPU, float32 on th
 fallback that needs no FP8 kernel, not a fast FP8 path (use "deep_gemm"). On the GPU torch's grouped
 GEMM takes bfloat16 only, so float32 problems are refused there. On the CPU, torch 2.13's
 `_grouped_mm` handles bfloat16 and float32, which lets CI run the whole bridge.
+
+Also registered here: the "torch" weight gradient of `moe_jax.grouped_gemm_backward.WGRADS`,
+`torch._grouped_mm(dy.T [N, M], x [M, K], offs=expert_ends)` -> [E, N, K], the 2-D x 2-D form that
+groups along the shared token dimension (segment offsets stay on the device: no host sync).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm
+from moe_jax import grouped_gemm, grouped_gemm_backward
 from moe_jax.interop import bridge
 
 _GPU_DTYPES = ("bfloat16", "float8_e4m3fn")
@@ -30,6 +35,27 @@ _CPU_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 def _contiguous_fn(out, x, w, expert_ends):
     torch = bridge.import_torch()
     out.copy_(torch._grouped_mm(x, w.transpose(-2, -1), offs=expert_ends))
+
+
+def _wgrad_fn(zero_empty_groups, out, dy, x, expert_ends):
+    torch = bridge.import_torch()
+    dw = torch._grouped_mm(dy.transpose(0, 1), x, offs=expert_ends)
+    if zero_empty_groups:
+        is_empty = torch.diff(expert_ends, prepend=expert_ends.new_zeros(1)) == 0
+        dw.masked_fill_(is_empty[:, None, None], 0)
+    out.copy_(dw)
+
+
+def _zero_empty_groups() -> bool:
+    """Whether the wgrad must zero experts with no rows itself.
+
+    On sm_90 and on the CPU torch writes zeros for an empty group. On sm_100 it does not
+    (pytorch/pytorch#172439, open 2026-01): there the result is masked, one more pass over dw.
+    Drop this once that issue is fixed.
+    """
+    if jax.default_backend() != "gpu":
+        return False
+    return getattr(jax.devices()[0], "compute_capability", "9.0") != "9.0"
 
 
 def _masked_fn(out, x, w):
@@ -114,4 +140,47 @@ def _compute_operands(x, w, x_scales, w_scales) -> tuple[jax.Array, jax.Array]:
     return a.astype(compute), b.astype(compute)
 
 
+class TorchWgrad:
+    """Grouped weight gradient dw [E, N, K] = dy_e^T x_e through `torch._grouped_mm` (2-D x 2-D).
+
+    GPU: bfloat16 operands (float32 accumulation inside, bf16 result); CPU: bfloat16/float32.
+    """
+
+    name = "torch"
+
+    def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
+        if problem.layout != "contiguous":
+            return f"layout {problem.layout!r}: the grouped wgrad runs on the contiguous layout"
+        if importlib.util.find_spec("torch") is None:
+            return f"torch is not installed: {bridge.TORCH_INSTALL_HINT}"
+        if problem.k % 8 or problem.n % 8 or (problem.alignment or 0) % 8:
+            return (
+                f"{problem.n=}, {problem.k=} and {problem.alignment=} must be multiples of 8 "
+                "(torch's grouped GEMM needs 16-byte strides)"
+            )
+        if problem.platform == "gpu":
+            if problem.x_dtype != "bfloat16" or problem.w_dtype != "bfloat16":
+                return f"dtypes {problem.x_dtype}, {problem.w_dtype}: bfloat16 only on GPU"
+        elif problem.platform == "cpu":
+            for dtype in (problem.x_dtype, problem.w_dtype):
+                if dtype not in ("bfloat16", "float32"):
+                    return f"dtype {dtype} is not bfloat16 or float32"
+        else:
+            return f"platform {problem.platform!r} is not cpu or gpu"
+        return None
+
+    def __call__(self, dy, x, expert_ids, expert_ends, *, num_experts, alignment, out_dtype):
+        del expert_ids, alignment  # groups come from expert_ends; padding rows are zero
+        n, k = dy.shape[1], x.shape[1]
+        if num_experts == 0 or dy.shape[0] == 0:
+            return jnp.zeros((num_experts, n, k), out_dtype)
+        compute = jnp.promote_types(dy.dtype, x.dtype)
+        call = bridge.torch_callback(
+            functools.partial(_wgrad_fn, _zero_empty_groups()),
+            jax.ShapeDtypeStruct((num_experts, n, k), out_dtype),
+        )
+        return call(dy.astype(compute), x.astype(compute), expert_ends.astype(jnp.int32))
+
+
 grouped_gemm.GEMMS.register(TorchGemm())
+grouped_gemm_backward.WGRADS.register(TorchWgrad())

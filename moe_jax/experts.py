@@ -9,6 +9,11 @@ Two layouts, each an object holding its choices (vLLM's FusedMoEPermuteExpertsUn
 Both return the reduced `[T, H]` output, so their `weight_and_reduce()` is `AlreadyReduced`.
 Numerics follow vLLM's canonical FP8 pipeline: quantized x -> GEMM1 -> bf16 [*, 2I] -> act*up in
 bf16 -> per-token-group quantization -> GEMM2 -> bf16 [*, H] -> float32 weighted sum -> out dtype.
+
+Every stage is differentiable with float weights, whatever backend runs it (custom VJPs in
+`moe_jax.permute` and `moe_jax.grouped_gemm_backward`); `ContiguousExperts(recipe=Fp8Training())`
+trains float master weights through FP8 GEMMs (`moe_jax.fp8_training`). Pre-quantized FP8 weights
+are inference-only.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax import act_quant, grouped_gemm, layouts, permute, quant
+from moe_jax import act_quant, fp8_training, grouped_gemm, layouts, permute, quant
 from moe_jax._pytree import pytree_dataclass
 from moe_jax.activation import act_and_mul
+from moe_jax.grouped_gemm_backward import grouped_gemm_contiguous, grouped_gemm_masked
 from moe_jax.prepare_finalize import AlreadyReduced, PreparedTokens, WeightAndReduce
 
 
@@ -157,15 +163,34 @@ class ContiguousExperts(Experts):
       act_quant_impl: implementation of act(gate) * up + FP8 requantization (`moe_jax.act_quant`).
       alignment: rows per expert segment multiple; None takes GEMM1's backend's own (DeepGEMM
         needs 128).
+      wgrad: implementation of the grouped weight gradient in the backward
+        (`moe_jax.grouped_gemm_backward.WGRADS`: "auto", "xla", "torch").
+      recipe: None, or `moe_jax.fp8_training.Fp8Training()` to run both GEMMs in FP8 on float
+        master weights quantized on the fly, with DeepSeek-V3's backward (H and I multiples of
+        128; FP8 weights refused).
     """
 
     gemm: str | grouped_gemm.GroupedGemm = "auto"
     permute_impl: str = "auto"
     act_quant_impl: str = "auto"
     alignment: int | None = None
+    wgrad: str = "auto"
+    recipe: fp8_training.Fp8Training | None = None
 
     def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
-        """`GemmPair` for T tokens of top-k routing."""
+        """`GemmPair` for T tokens of top-k routing (the FP8 problem under `recipe`)."""
+        if self.recipe is not None:
+            self.recipe.check(
+                hidden=weights.w1.shape[2],
+                intermediate=weights.w2.shape[2],
+                w_dtype=weights.w1.dtype,
+            )
+            fp8 = quant.FP8_DTYPE
+            weights = ExpertWeights(
+                w1=jax.ShapeDtypeStruct(weights.w1.shape, fp8),
+                w2=jax.ShapeDtypeStruct(weights.w2.shape, fp8),
+            )
+            x_dtype = fp8
         return select_gemms(
             self.gemm,
             weights,
@@ -190,15 +215,41 @@ class ContiguousExperts(Experts):
 
     def first_gemm(self, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall):
         """[M, H] rows -> [M, 2I] in the intermediate dtype."""
-        return gemms.gemm1.contiguous(
+        return self._gemm(
+            gemms.gemm1,
             lay.rows,
+            lay.row_scales,
             weights.w1,
-            lay.expert_ids,
-            lay.expert_ends,
-            x_scales=lay.row_scales,
-            w_scales=weights.w1_scale,
+            weights.w1_scale,
+            lay,
             alignment=gemms.alignment,
             out_dtype=intermediate_dtype(lay.rows.dtype, call),
+        )
+
+    def _gemm(self, backend, x, x_scales, w, w_scales, lay, *, alignment, out_dtype):
+        if self.recipe is not None:
+            return fp8_training.grouped_gemm_contiguous(
+                backend,
+                x,
+                w,
+                lay.expert_ids,
+                lay.expert_ends,
+                recipe=self.recipe,
+                alignment=alignment,
+                out_dtype=out_dtype,
+                wgrad=self.wgrad,
+            )
+        return grouped_gemm_contiguous(
+            backend,
+            x,
+            w,
+            lay.expert_ids,
+            lay.expert_ends,
+            x_scales=x_scales,
+            w_scales=w_scales,
+            alignment=alignment,
+            out_dtype=out_dtype,
+            wgrad=self.wgrad,
         )
 
     def activate(self, h: jax.Array, call: ExpertsCall):
@@ -208,13 +259,13 @@ class ContiguousExperts(Experts):
         self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
     ):
         """[M, I] activations -> [M, H] in the intermediate dtype."""
-        return gemms.gemm2.contiguous(
+        return self._gemm(
+            gemms.gemm2,
             a,
+            a_scales,
             weights.w2,
-            lay.expert_ids,
-            lay.expert_ends,
-            x_scales=a_scales,
-            w_scales=weights.w2_scale,
+            weights.w2_scale,
+            lay,
             alignment=gemms.alignment,
             out_dtype=intermediate_dtype(a.dtype, call),
         )
@@ -270,7 +321,8 @@ def masked_mlp(
     )
     mid_dtype = intermediate_dtype(rows.dtype, call)
     expected_m = max_m if expected_m is None else expected_m
-    h = gemms.gemm1.masked(
+    h = grouped_gemm_masked(
+        gemms.gemm1,
         rows,
         weights.w1,
         num_rows_per_expert,
@@ -282,7 +334,8 @@ def masked_mlp(
     a, a_scales = activate(h.reshape(num_experts * max_m, -1), call, impl=act_quant_impl)
     if a_scales is not None:
         a_scales = a_scales.reshape(num_experts, max_m, -1)
-    return gemms.gemm2.masked(
+    return grouped_gemm_masked(
+        gemms.gemm2,
         a.reshape(num_experts, max_m, -1),
         weights.w2,
         num_rows_per_expert,

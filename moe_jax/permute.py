@@ -9,9 +9,21 @@ Implementations, chosen by `impl` through `moe_jax.registry` (the same rule as e
 - "auto": "pallas" on a GPU, "xla" elsewhere (`registry.pallas_then_xla`).
 
 Every implementation returns bit-identical layouts; unpermute sums in float32 in slot order.
+
+Both front functions are differentiable (`jax.custom_vjp`), whatever implementation runs forward:
+
+- permute: d x[t] = sum over the valid slots j of d rows[inverse[t, j]] (a gather-sum: the
+  unpermute of the row cotangents without weights, through `UNPERMUTES` with the same `impl`).
+  FP8 rows (inference) are not differentiated.
+- unpermute: d y[r] = g[t] * w[t, j] for the slot (t, j) that reads row r (slots of one token
+  sharing a row, as in the masked layout, add their weights), zero on rows no slot reads; and
+  d topk_weights[t, j] = <g[t], y[inverse[t, j]]> in float32, 0 where inverse is -1.
+Index inputs (topk_ids, expert_map, inverse) get no cotangent.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +90,23 @@ def permute(
       [1, 1]
     """
     chosen = PERMUTES.select(impl, problem_for(x))
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float8_e4m3fn:
+        return chosen(
+            x,
+            topk_ids,
+            num_experts=num_experts,
+            x_scales=x_scales,
+            expert_map=expert_map,
+            alignment=alignment,
+        )
+    unpermute_impl = UNPERMUTES.select(impl, problem_for(x))
+    statics = (chosen, unpermute_impl, num_experts, alignment, jnp.dtype(x.dtype))
+    return _permute_vjp(statics, x, topk_ids, x_scales, expert_map)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _permute_vjp(statics, x, topk_ids, x_scales, expert_map):
+    chosen, _, num_experts, alignment, _ = statics
     return chosen(
         x,
         topk_ids,
@@ -86,6 +115,20 @@ def permute(
         expert_map=expert_map,
         alignment=alignment,
     )
+
+
+def _permute_fwd(statics, x, topk_ids, x_scales, expert_map):
+    lay = _permute_vjp(statics, x, topk_ids, x_scales, expert_map)
+    return lay, lay.inverse
+
+
+def _permute_bwd(statics, inverse, cotangent):
+    _, unpermute_impl, _, _, x_dtype = statics
+    dx = unpermute_impl(cotangent.rows, inverse, None, out_dtype=x_dtype)
+    return dx, None, None, None  # scales travel with FP8 rows only, which are not differentiated
+
+
+_permute_vjp.defvjp(_permute_fwd, _permute_bwd)
 
 
 def unpermute(
@@ -109,7 +152,82 @@ def unpermute(
       [T, H] in `out_dtype`.
     """
     chosen = UNPERMUTES.select(impl, problem_for(y))
+    if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
+        return chosen(y, inverse, topk_weights, out_dtype=out_dtype)
+    out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
+    return _unpermute_vjp((chosen, out_dtype), y, inverse, topk_weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _unpermute_vjp(statics, y, inverse, topk_weights):
+    chosen, out_dtype = statics
     return chosen(y, inverse, topk_weights, out_dtype=out_dtype)
+
+
+def _unpermute_fwd(statics, y, inverse, topk_weights):
+    return _unpermute_vjp(statics, y, inverse, topk_weights), (y, inverse, topk_weights)
+
+
+def _unpermute_bwd(statics, residuals, g):
+    y, inverse, topk_weights = residuals
+    dy, d_weights = unpermute_backward(g, y, inverse, topk_weights)
+    return dy, None, d_weights
+
+
+_unpermute_vjp.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+def unpermute_backward(
+    g: jax.Array, y: jax.Array, inverse: jax.Array, topk_weights: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """The VJP of `unpermute` in plain XLA: a row gather and k fused dot products.
+
+    Args:
+      g: [T, H] cotangent of the output.
+      y: [M, H] the forward's expert rows.
+      inverse: int32[T, k] row of each (token, slot), -1 for none; slots of one token may share a
+        row (masked layout), rows of different tokens never do.
+      topk_weights: float[T, k] or None.
+
+    Returns:
+      (dy [M, H] in y.dtype, zero on rows no slot reads; d topk_weights [T, k] in its dtype, or
+      None).
+
+    Example:
+      >>> dy, dw = unpermute_backward(jnp.ones((1, 2)), jnp.arange(4.0).reshape(2, 2),
+      ...                             jnp.array([[1, -1]]), jnp.array([[0.5, 2.0]]))
+      >>> dy.tolist(), dw.tolist()
+      ([[0.0, 0.0], [0.5, 0.5]], [[5.0, 0.0]])
+    """
+    num_tokens, topk = inverse.shape
+    num_rows = y.shape[0]
+    is_valid = inverse >= 0
+    w = jnp.ones(inverse.shape, jnp.float32) if topk_weights is None else topk_weights
+    w = jnp.where(is_valid, w.astype(jnp.float32), 0.0)
+    if num_rows == 0 or num_tokens == 0:
+        d_weights = None if topk_weights is None else jnp.zeros_like(topk_weights)
+        return jnp.zeros_like(y), d_weights
+    # Slots of a token that share a row add their weights on the row's first slot.
+    same = inverse[:, :, None] == inverse[:, None, :]
+    is_first = jnp.argmax(same, axis=-1) == jnp.arange(topk, dtype=jnp.int32)[None, :]
+    row_weight = jnp.sum(jnp.where(same, w[:, None, :], 0.0), axis=-1)
+    owner = jnp.where(is_valid & is_first, inverse, num_rows).reshape(-1)
+    pair = jnp.arange(num_tokens * topk, dtype=jnp.int32)
+    source = (
+        jnp.full((num_rows,), -1, jnp.int32).at[owner].set(pair, mode="drop", unique_indices=True)
+    )
+    has_source = source >= 0
+    safe = jnp.maximum(source, 0)
+    g32 = g.astype(jnp.float32)
+    taken = g32[safe // topk] * row_weight.reshape(-1)[safe][:, None]
+    dy = jnp.where(has_source[:, None], taken, 0.0).astype(y.dtype)
+    if topk_weights is None:
+        return dy, None
+    columns = []
+    for j in range(topk):  # one fused gather + dot per slot; no [T, k, H] temporary
+        rows = y[jnp.clip(inverse[:, j], 0, num_rows - 1)].astype(jnp.float32)
+        columns.append(jnp.where(is_valid[:, j], jnp.sum(g32 * rows, axis=-1), 0.0))
+    return dy, jnp.stack(columns, axis=1).astype(topk_weights.dtype)
 
 
 def count_expert_num_tokens(

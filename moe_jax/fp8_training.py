@@ -1,0 +1,193 @@
+"""The FP8 training recipe of DeepSeek-V3 for the expert GEMMs, one `jax.custom_vjp` per GEMM.
+
+Master weights stay in bf16/float32; each step quantizes them on the fly. Per GEMM
+`y[row] = x[row] @ w[expert(row)].T` ([M, K] x [E, N, K] -> [M, N], contiguous layout):
+
+- forward: x quantized in 1x128 groups (`moe_jax.act_quant.group_quant`), w in 128x128 blocks
+  (`moe_jax.quant.per_block_quant_fp8`), one FP8 grouped GEMM (DeepGEMM on the H200), bf16 out.
+- dgrad: dy quantized in 1x128 groups along N, times a physical w^T [E, K, N] quantized in 128x128
+  blocks: both operands K-major, as DeepGEMM's sm_90 `m_grouped_fp8_gemm_nt_contiguous` needs. The
+  128x128 tiles of w^T are the transposed tiles of w with the same scales, so quantizing w^T is
+  quantizing w and transposing: no extra error.
+- wgrad: dw = dy^T x in bf16 (float32 accumulation) through `WGRADS`, with the unquantized bf16
+  x and dy. DeepGEMM's sm_90 FP8 wgrad (`k_grouped_fp8_gemm_nt_contiguous`) takes the per-expert
+  row counts as a host list, i.e. a device-to-host sync every step; it is not used.
+- Straight-through the quantizers: the gradient of the quantize-dequantize is taken as identity
+  (dx uses the quantized w, dw the unquantized x).
+
+Residuals per GEMM: x (2 * K bytes per row in bf16) and w (a parameter); the quantized w is
+recomputed in the backward. Rows of padding are handled as in `moe_jax.grouped_gemm_backward`.
+
+Example:
+  >>> from moe_jax import fused_moe
+  >>> from moe_jax.experts import ContiguousExperts
+  >>> experts = ContiguousExperts(gemm="xla", recipe=Fp8Training())
+  >>> x = jnp.ones((2, 128), jnp.bfloat16); w1 = jnp.full((2, 256, 128), 0.01, jnp.bfloat16)
+  >>> w2 = jnp.full((2, 128, 128), 0.01, jnp.bfloat16); ids = jnp.array([[0], [1]])
+  >>> loss = lambda w1: fused_moe(x, w1, w2, jnp.ones((2, 1)), ids, experts=experts).sum()
+  >>> jax.grad(loss)(w1).dtype
+  dtype(bfloat16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import act_quant, grouped_gemm, grouped_gemm_backward, quant
+from moe_jax.registry import AUTO
+
+BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Training:
+    """DeepSeek-V3's FP8 recipe for the expert GEMMs (module docstring).
+
+    Attributes:
+      quant_impl: implementation of the 1x128 quantization of activations and output gradients
+        (`moe_jax.act_quant.GROUP_QUANTS`: "auto", "xla", "pallas", "pallas_interpret").
+    """
+
+    quant_impl: str = AUTO
+
+    @property
+    def group_size(self) -> int:
+        return BLOCK
+
+    def check(self, *, hidden: int, intermediate: int, w_dtype) -> None:
+        """Raises when the recipe cannot run these weights."""
+        if jnp.dtype(w_dtype) == quant.FP8_DTYPE:
+            raise TypeError(
+                "Fp8Training quantizes float master weights on the fly, but the weights are "
+                "already float8_e4m3fn: pass bf16/float32 weights (or drop recipe= to run the "
+                "FP8 inference path)"
+            )
+        if hidden % BLOCK or intermediate % BLOCK:
+            raise ValueError(
+                f"Fp8Training needs H and I to be multiples of {BLOCK}: H={hidden}, "
+                f"I={intermediate}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Statics:
+    forward: grouped_gemm.GroupedGemm
+    recipe: Fp8Training
+    alignment: int
+    out_dtype: jnp.dtype
+    wgrad: object
+
+
+def fp8_problem(x: jax.Array, w: jax.Array, *, alignment: int | None) -> grouped_gemm.GemmProblem:
+    """The FP8 x FP8 contiguous `GemmProblem` that the recipe's forward GEMM runs."""
+    return grouped_gemm.GemmProblem(
+        layout="contiguous",
+        n=w.shape[1],
+        k=w.shape[2],
+        num_experts=w.shape[0],
+        num_pairs=x.shape[0],
+        x_dtype=jnp.dtype(quant.FP8_DTYPE).name,
+        w_dtype=jnp.dtype(quant.FP8_DTYPE).name,
+        platform=jax.default_backend(),
+        alignment=alignment,
+    )
+
+
+def grouped_gemm_contiguous(
+    backend: grouped_gemm.GroupedGemm,
+    x: jax.Array,
+    w: jax.Array,
+    expert_ids: jax.Array,
+    expert_ends: jax.Array,
+    *,
+    recipe: Fp8Training,
+    alignment: int,
+    out_dtype: jnp.dtype,
+    wgrad=AUTO,
+) -> jax.Array:
+    """y [M, N] = FP8(x) [M, K] @ FP8(w)[expert].T with the recipe's backward.
+
+    Args:
+      backend: a `GroupedGemm` that runs the FP8 problem (`fp8_problem`).
+      x: bf16/float32[M, K] rows in the contiguous layout; K a multiple of 128.
+      w: bf16/float32[E, N, K] master weights; N and K multiples of 128.
+      expert_ids, expert_ends: the layout's (see `moe_jax.grouped_gemm`).
+      recipe: the `Fp8Training` options.
+      alignment: the layout's segment multiple.
+      out_dtype: dtype of y.
+      wgrad: `moe_jax.grouped_gemm_backward.WGRADS` choice.
+
+    Returns:
+      [M, N] in `out_dtype`; padding rows unspecified.
+    """
+    statics = _Statics(
+        forward=backend,
+        recipe=recipe,
+        alignment=alignment,
+        out_dtype=jnp.dtype(out_dtype),
+        wgrad=wgrad,
+    )
+    return _fp8_gemm(statics, x, w, expert_ids, expert_ends)
+
+
+def _quantize_rows(a: jax.Array, recipe: Fp8Training) -> tuple[jax.Array, jax.Array]:
+    return act_quant.group_quant(a, group_size=recipe.group_size, impl=recipe.quant_impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_gemm(statics, x, w, expert_ids, expert_ends):
+    xq, xs = _quantize_rows(x, statics.recipe)
+    wq, ws = quant.per_block_quant_fp8(w)
+    return statics.forward.contiguous(
+        xq,
+        wq,
+        expert_ids,
+        expert_ends,
+        x_scales=xs,
+        w_scales=ws,
+        alignment=statics.alignment,
+        out_dtype=statics.out_dtype,
+    )
+
+
+def _fp8_gemm_fwd(statics, x, w, expert_ids, expert_ends):
+    return _fp8_gemm(statics, x, w, expert_ids, expert_ends), (x, w, expert_ids, expert_ends)
+
+
+def _fp8_gemm_bwd(statics, residuals, g):
+    x, w, expert_ids, expert_ends = residuals
+    g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(jnp.bfloat16)
+    gq, gs = _quantize_rows(g, statics.recipe)
+    wtq, wts = quant.per_block_quant_fp8(jnp.swapaxes(w, 1, 2))
+    problem = grouped_gemm_backward.transposed_problem(
+        fp8_problem(x, w, alignment=statics.alignment)
+    )
+    dgrad = grouped_gemm_backward.select_dgrad(statics.forward, problem)
+    dx = dgrad.contiguous(
+        gq,
+        wtq,
+        expert_ids,
+        expert_ends,
+        x_scales=gs,
+        w_scales=wts,
+        alignment=statics.alignment,
+        out_dtype=x.dtype,
+    )
+    dw = grouped_gemm_backward.grouped_wgrad(
+        g,
+        x.astype(jnp.bfloat16),
+        expert_ids,
+        expert_ends,
+        num_experts=w.shape[0],
+        alignment=statics.alignment,
+        out_dtype=w.dtype,
+        impl=statics.wgrad,
+    )
+    return dx, dw, None, None
+
+
+_fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)

@@ -1,0 +1,253 @@
+"""Gradients through the fast path: `jax.grad` of `fused_moe` for every experts backend that runs on
+the CPU, against `jax.grad` of an independent float64 jnp MoE (x64 enabled locally).
+
+The reference restates the layer's math with no moe_jax code: per (token, slot) it gathers the
+expert's weights and runs the MLP in float64, with no rounding. Tolerances (relative Frobenius
+error of each gradient): float32 inputs 1e-5 (the library rounds nowhere but float32 sums);
+bfloat16 inputs 3e-2 (rounded GEMM outputs and activations, as vLLM rounds).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracles
+import pytest
+
+from moe_jax import fused_moe, grouped_gemm_backward, layouts, permute, quant
+from moe_jax.experts import ContiguousExperts, MaskedExperts
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+T, H, I, E, K = 6, 16, 8, 4, 2  # noqa: E741 - DESIGN.md's dimension names
+
+ALIGN = 8  # small segments keep the CPU programs small; every backend here accepts 8
+EXPERTS = [
+    pytest.param(
+        ContiguousExperts(
+            gemm="xla", permute_impl="xla", act_quant_impl="xla", alignment=ALIGN, wgrad="xla"
+        ),
+        id="xla",
+    ),
+    pytest.param(ContiguousExperts(gemm="torch", wgrad="torch", alignment=ALIGN), id="torch"),
+    pytest.param(
+        ContiguousExperts(gemm="xla", permute_impl="pallas_interpret", alignment=ALIGN),
+        id="xla-pallas_permute",
+    ),
+    pytest.param(MaskedExperts(gemm="xla", act_quant_impl="xla"), id="xla_masked"),
+    pytest.param(MaskedExperts(gemm="torch"), id="torch_masked"),
+]
+
+
+def reference_moe(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False):
+    """float64 out[t] = sum_j w[t, j] * W2[e] @ (silu(W1g[e] x) * W1u[e] x), e = local_ids[t, j]."""
+    is_valid = local_ids >= 0
+    e = np.maximum(local_ids, 0)
+    weights = topk_weights
+    if weight_on_input:
+        x = x * topk_weights[:, :1]
+        weights = jnp.ones_like(topk_weights)
+    h = jnp.einsum("tkih,th->tki", w1[e], x)
+    gate, up = h[..., :I], h[..., I:]
+    a = gate / (1.0 + jnp.exp(-gate)) * up
+    y = jnp.einsum("tkhi,tki->tkh", w2[e], a)
+    return jnp.sum(jnp.where(is_valid[..., None], weights[..., None] * y, 0.0), axis=1)
+
+
+def _inputs(seed: int, dtype, *, num_tokens=T, topk=K):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_tokens, H))
+    w1 = rng.normal(size=(E, 2 * I, H)) / 4
+    w2 = rng.normal(size=(E, H, I)) / 3
+    topk_weights = rng.normal(size=(num_tokens, topk))  # negative weights too
+    probe = rng.normal(size=(num_tokens, H))  # loss = <out, probe>
+    round_trip = [np.asarray(jnp.asarray(a, dtype), np.float64) for a in (x, w1, w2)]
+    return (*round_trip, topk_weights, probe)
+
+
+CASES = {  # every case has negative router weights (see _inputs)
+    "duplicates_and_invalid_ids": dict(ids=[[0, 0], [1, 1], [7, 3], [-1, 3], [1, 3], [-1, -2]]),
+    "expert_map_holes": dict(
+        ids=[[0, 5], [1, 2], [4, 3], [3, 0], [5, 5], [2, 1]],
+        expert_map=[0, -1, 1, 2, -1, 3],
+    ),
+    "chunked": dict(ids=[[0, 1], [1, 1], [2, 3], [3, 0], [-1, 3], [2, 0]], chunk_size=4),
+}
+
+
+def _grads(experts, dtype, x, w1, w2, topk_weights, probe, ids, **kwargs):
+    def loss(x, w1, w2, topk_weights):
+        out = fused_moe(x, w1, w2, topk_weights, ids, experts=experts, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * probe)
+
+    args = (
+        jnp.asarray(x, dtype),
+        jnp.asarray(w1, dtype),
+        jnp.asarray(w2, dtype),
+        jnp.asarray(topk_weights, jnp.float32),
+    )
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+
+
+def _reference_grads(x, w1, w2, topk_weights, probe, local_ids, *, weight_on_input=False):
+    with jax.enable_x64(True):
+
+        def loss(x, w1, w2, topk_weights):
+            out = reference_moe(x, w1, w2, topk_weights, local_ids, weight_on_input=weight_on_input)
+            return jnp.sum(out * probe)
+
+        grads = jax.grad(loss, argnums=(0, 1, 2, 3))(
+            *(jnp.asarray(a, jnp.float64) for a in (x, w1, w2, topk_weights))
+        )
+        return [np.asarray(g) for g in grads]
+
+
+def _check(grads, expected, dtype):
+    for name, got, want in zip(("x", "w1", "w2", "topk_weights"), grads, expected, strict=True):
+        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+        assert np.all(np.isfinite(got)), name
+        scale = max(np.linalg.norm(want), 1e-30)
+        error = np.linalg.norm(got - want) / scale
+        assert error <= TOL[dtype], f"d{name}: relative error {error:.2e} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_grads_match_float64(experts, case):
+    dtype = jnp.float32
+    spec = CASES[case]
+    ids = np.asarray(spec["ids"])
+    expert_map = spec.get("expert_map")
+    x, w1, w2, topk_weights, probe = _inputs(list(CASES).index(case), dtype)
+    kwargs = {}
+    if expert_map is not None:
+        kwargs["expert_map"] = jnp.asarray(expert_map, jnp.int32)
+    if "chunk_size" in spec:
+        kwargs["chunk_size"] = spec["chunk_size"]
+    grads = _grads(experts, dtype, x, w1, w2, topk_weights, probe, jnp.asarray(ids), **kwargs)
+    local = oracles.local_ids(ids, E, expert_map)
+    _check(grads, _reference_grads(x, w1, w2, topk_weights, probe, local), dtype)
+
+
+@pytest.mark.parametrize("experts", EXPERTS[:2] + EXPERTS[3:4])
+def test_grads_weight_on_input(experts):
+    dtype = jnp.float32
+    x, w1, w2, topk_weights, probe = _inputs(11, dtype, topk=1)
+    ids = np.array([[0], [2], [2], [-1], [3], [1]])
+    grads = _grads(
+        experts,
+        dtype,
+        x,
+        w1,
+        w2,
+        topk_weights,
+        probe,
+        jnp.asarray(ids),
+        apply_router_weight_on_input=True,
+    )
+    local = oracles.local_ids(ids, E)
+    expected = _reference_grads(x, w1, w2, topk_weights, probe, local, weight_on_input=True)
+    _check(grads, expected, dtype)
+
+
+@pytest.mark.parametrize("experts", EXPERTS[:2])
+def test_grads_bf16(experts):
+    x, w1, w2, topk_weights, probe = _inputs(5, jnp.bfloat16)
+    ids = np.array(CASES["duplicates_and_invalid_ids"]["ids"])
+    grads = _grads(experts, jnp.bfloat16, x, w1, w2, topk_weights, probe, jnp.asarray(ids))
+    local = oracles.local_ids(ids, E)
+    _check(grads, _reference_grads(x, w1, w2, topk_weights, probe, local), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_grads_tiny_batches(num_tokens):
+    experts = EXPERTS[1].values[0]
+    x, w1, w2, topk_weights, probe = _inputs(3, jnp.float32, num_tokens=num_tokens)
+    ids = np.array([[2, 2]] * num_tokens, np.int64).reshape(num_tokens, K)
+    grads = _grads(experts, jnp.float32, x, w1, w2, topk_weights, probe, jnp.asarray(ids))
+    local = oracles.local_ids(ids, E)
+    expected = _reference_grads(x, w1, w2, topk_weights, probe, local)
+    for got, want in zip(grads, expected, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_weights_refuse_gradients():
+    rng = np.random.default_rng(4)
+    w1q, w1s = quant.per_block_quant_fp8(jnp.asarray(rng.normal(size=(E, 256, 128)) / 16))
+    w2q, w2s = quant.per_block_quant_fp8(jnp.asarray(rng.normal(size=(E, 128, 128)) / 16))
+    x = jnp.asarray(rng.normal(size=(T, 128)), jnp.bfloat16)
+
+    def loss(x):
+        out = fused_moe(
+            x,
+            w1q,
+            w2q,
+            jnp.ones((T, 1)),
+            jnp.zeros((T, 1), jnp.int32),
+            w1_scale=w1s,
+            w2_scale=w2s,
+            experts="xla",
+        )
+        return out.astype(jnp.float32).sum()
+
+    with pytest.raises(TypeError, match="float8_e4m3fn expert weights"):
+        jax.eval_shape(jax.grad(loss), x)
+
+
+def test_unpermute_backward_matches_oracle():
+    """The scatter of g * w and the <g, y> router gradient, including rows shared by slots."""
+    rng = np.random.default_rng(7)
+    y = rng.normal(size=(10, 8))
+    inverse = np.array([[3, 3], [0, -1], [5, 9], [-1, -1]])
+    w = rng.normal(size=(4, 2))
+    g = rng.normal(size=(4, 8))
+    dy, dw = permute.unpermute_backward(
+        jnp.asarray(g, jnp.float32),
+        jnp.asarray(y, jnp.float32),
+        jnp.asarray(inverse, jnp.int32),
+        jnp.asarray(w, jnp.float32),
+    )
+    want_dy = np.zeros_like(y)
+    want_dw = np.zeros_like(w)
+    for t in range(4):
+        for j in range(2):
+            if inverse[t, j] >= 0:
+                want_dy[inverse[t, j]] += g[t] * w[t, j]
+                want_dw[t, j] = g[t] @ y[inverse[t, j]]
+    np.testing.assert_allclose(np.asarray(dy), want_dy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "torch"])
+def test_wgrad_matches_loop(impl):
+    """dw[e] = sum over expert e's rows of dy^T x; padding rows (even NaN) are ignored."""
+    rng = np.random.default_rng(8)
+    ids = np.array([[0, 2], [2, 2], [0, -1], [3, 3]])
+    lay = layouts.permute_reference(
+        jnp.asarray(rng.normal(size=(4, 16)), jnp.float32),
+        jnp.asarray(ids),
+        num_experts=5,
+        alignment=8,
+    )
+    rows = lay.rows.shape[0]
+    dy = rng.normal(size=(rows, 24))
+    is_pad = np.asarray(lay.expert_ids) < 0
+    dy[is_pad] = np.nan  # unspecified outputs: the wgrad must not read them
+    x = np.asarray(lay.rows, np.float64)
+    x[is_pad] = np.inf
+    dw = grouped_gemm_backward.grouped_wgrad(
+        jnp.asarray(dy, jnp.float32),
+        jnp.asarray(x, jnp.float32),
+        lay.expert_ids,
+        lay.expert_ends,
+        num_experts=5,
+        alignment=8,
+        out_dtype=jnp.float32,
+        impl=impl,
+    )
+    want = np.zeros((5, 24, 16))
+    for r, e in enumerate(np.asarray(lay.expert_ids)):
+        if e >= 0:
+            want[e] += np.outer(dy[r], x[r])
+    np.testing.assert_allclose(np.asarray(dw), want, rtol=1e-5, atol=1e-5)
