@@ -130,13 +130,14 @@ def torch_callback(
     Returns:
       A function of JAX arrays returning jax.Array results shaped like `result_shape_dtypes`.
 
-    Example:
+    Example (needs torch, an optional dependency, so the docstring runner skips it;
+    `tests/test_interop_bridge.py::test_docstring_example` runs it where torch is installed):
       >>> import jax.numpy as jnp
+      >>> torch = import_torch()  # doctest: +SKIP
       >>> def add_one(out, x):
       ...     torch.add(x, 1, out=out)
-      >>> torch = import_torch()
-      >>> f = torch_callback(add_one, jax.ShapeDtypeStruct((3,), jnp.float32))
-      >>> jax.jit(f)(jnp.arange(3.0)).tolist()
+      >>> f = torch_callback(add_one, jax.ShapeDtypeStruct((3,), jnp.float32))  # doctest: +SKIP
+      >>> jax.jit(f)(jnp.arange(3.0)).tolist()  # doctest: +SKIP
       [1.0, 2.0, 3.0]
     """
     results, is_single = _as_shape_dtypes(result_shape_dtypes)

@@ -1,5 +1,9 @@
-"""The DLPack bridge (moe_jax.interop.bridge) on the CPU: zero copy, jit, shard_map, dtypes."""
+"""The DLPack bridge (moe_jax.interop.bridge) on the CPU: zero copy, jit, shard_map, dtypes.
 
+Tests that call torch skip with the reason when it is not installed; the missing-torch error runs
+either way."""
+
+import doctest
 import json
 import os
 import subprocess
@@ -11,9 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the bridge needs torch (pip install 'moe_jax[torch]')")
+from moe_jax.interop import bridge
 
-from moe_jax.interop import bridge  # noqa: E402
+# Importing the bridge needs no torch; calling it does. Tests that call it take this fixture.
+TORCH_REASON = "the bridge needs torch (pip install 'moe_jax[torch]')"
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch", reason=TORCH_REASON)
+
 
 DTYPES = [
     jnp.float32,
@@ -31,7 +42,7 @@ def _copy(out, x):
     out.copy_(x)
 
 
-def test_writes_into_xla_buffers_without_copies():
+def test_writes_into_xla_buffers_without_copies(torch):
     seen = {}
 
     def scale(out, x):
@@ -47,7 +58,7 @@ def test_writes_into_xla_buffers_without_copies():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_every_dtype_crosses_bit_exactly(dtype):
+def test_every_dtype_crosses_bit_exactly(torch, dtype):
     bits = jax.random.bits(jax.random.key(1), (5, 7), jnp.uint8)
     if dtype == jnp.float8_e4m3fn:
         x = jax.lax.bitcast_convert_type(bits, dtype)  # every bit pattern, NaNs included
@@ -61,7 +72,7 @@ def test_every_dtype_crosses_bit_exactly(dtype):
     np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(x).view(np.uint8))
 
 
-def test_several_results_and_fresh_inputs_each_call():
+def test_several_results_and_fresh_inputs_each_call(torch):
     def split(out, a, b):
         torch.add(a, b, out=out[0])
         out[1].copy_(a.to(torch.int32))
@@ -80,7 +91,7 @@ def test_several_results_and_fresh_inputs_each_call():
         np.testing.assert_array_equal(np.asarray(ints), np.asarray(a).astype(np.int32))
 
 
-def test_composes_with_xla_ops_inside_jit():
+def test_composes_with_xla_ops_inside_jit(torch):
     f = bridge.torch_callback(_copy, jax.ShapeDtypeStruct((3, 4), jnp.float32))
 
     @jax.jit
@@ -133,7 +144,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_runs_once_per_shard_under_shard_map():
+def test_runs_once_per_shard_under_shard_map(torch):
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
     )
@@ -149,3 +160,15 @@ def test_runs_once_per_shard_under_shard_map():
     assert result["n"] == 2
     assert sorted(map(tuple, result["calls"])) == [(3, 4), (3, 4)]
     assert result["ok"]
+
+
+def test_docstring_example(torch):
+    """`torch_callback`'s docstring example, which the docstring runner skips (it needs torch)."""
+    parser = doctest.DocTestParser()
+    examples = parser.get_examples(bridge.torch_callback.__doc__)
+    for example in examples:
+        example.options.clear()  # drop the +SKIP directives
+    test = doctest.DocTest(examples, {"jax": jax, **vars(bridge)}, "torch_callback", None, 0, None)
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

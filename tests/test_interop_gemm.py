@@ -3,6 +3,7 @@
 CPU: the torch backend end to end through the bridge, DeepGEMM's pure-JAX parts (scale layout,
 checks, refusals). GPU (`-m gpu`): DeepGEMM through the bridge bitwise equal to the direct torch
 call of DeepGEMM, both within FP8 tolerance of the oracle, and the scale view costing no transpose.
+Tests that need torch (or DeepGEMM) skip with the reason when it is not installed.
 """
 
 import dataclasses
@@ -10,9 +11,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracles
 import pytest
 
 from moe_jax import grouped_gemm, layouts, quant
+from moe_jax.grouped_gemm import GEMMS
+
+TORCH_REASON = "the torch backend needs torch (pip install 'moe_jax[torch]')"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,35 +47,6 @@ GPU_PROBLEMS = [
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-5}
 
 
-def _np_dequant_rows(xq, scales):
-    x = np.asarray(xq.astype(jnp.float32), np.float64)
-    s = np.asarray(scales, np.float64)
-    return x * np.repeat(s, x.shape[-1] // s.shape[-1], axis=-1)
-
-
-def _np_dequant_weights(wq, scales):
-    w = np.asarray(wq.astype(jnp.float32), np.float64)
-    s = np.repeat(np.repeat(np.asarray(scales, np.float64), 128, axis=-2), 128, axis=-1)
-    return w * s[..., : w.shape[-2], : w.shape[-1]]
-
-
-def _oracle_contiguous(x, w, expert_ids):
-    """Dumbest loop: every non-padding row times its expert's weights, in float64."""
-    y = np.zeros((x.shape[0], w.shape[1]))
-    for row, e in enumerate(np.asarray(expert_ids)):
-        if e >= 0:
-            y[row] = x[row] @ w[e].T
-    return y
-
-
-def _oracle_masked(x, w, counts):
-    y = np.zeros((x.shape[0], x.shape[1], w.shape[1]))
-    for e, c in enumerate(np.asarray(counts)):
-        for r in range(c):
-            y[e, r] = x[e, r] @ w[e].T
-    return y
-
-
 def _operands(problem, dtype, seed=0):
     """(x_rows, x_scales, w, w_scales, float64 x, float64 w) in `dtype`, fresh random data."""
     kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
@@ -80,7 +56,8 @@ def _operands(problem, dtype, seed=0):
     if dtype == "float8_e4m3fn":
         xq, xs = quant.per_token_group_quant_fp8(x)
         wq, ws = quant.per_block_quant_fp8(w)
-        xf, wf = _np_dequant_rows(xq, xs), _np_dequant_weights(wq, ws)
+        xf = oracles.dequant_per_token_group(xq.astype(jnp.float32), xs)
+        wf = oracles.dequant_per_block(wq.astype(jnp.float32), ws)
         return xq, xs, wq, ws, ids, xf, wf
     x, w = x.astype(dtype), w.astype(dtype)
     xf = np.asarray(x.astype(jnp.float32), np.float64)
@@ -110,32 +87,26 @@ def _run_contiguous(backend, problem, dtype, out_dtype, seed=0):
         for j in range(problem.topk):
             if inverse[t, j] >= 0:
                 rows[inverse[t, j]] = xf[t]
-    ref = _oracle_contiguous(rows, wf, lay.expert_ids)
+    ref = oracles.grouped_gemm_contiguous(rows, wf, lay.expert_ids)
     return y, ref, lay
 
 
-def _permute(*args, **kwargs):
-    # moe_jax.layouts broadcasts [n, 1] against [E] (fails under JAX_NUMPY_RANK_PROMOTION=raise).
-    with jax.numpy_rank_promotion("allow"):
-        return layouts.permute_reference(*args, **kwargs)
+_permute = layouts.permute_reference
+_masked_layout = layouts.masked_layout_reference
 
 
-def _masked_layout(*args, **kwargs):
-    with jax.numpy_rank_promotion("allow"):
-        return layouts.masked_layout_reference(*args, **kwargs)
-
-
-def _problem_for(backend_layout, problem, dtype, num_rows):
+def _problem_for(backend_layout, problem, dtype, *, max_m=None):
     return grouped_gemm.GemmProblem(
         layout=backend_layout,
-        num_rows=num_rows,
         n=problem.n,
         k=problem.k,
-        num_groups=problem.num_experts,
+        num_experts=problem.num_experts,
+        num_pairs=problem.num_tokens * problem.topk,
         x_dtype=dtype,
         w_dtype=dtype,
-        alignment=problem.alignment,
         platform=jax.default_backend(),
+        alignment=problem.alignment if backend_layout == "contiguous" else None,
+        max_m=max_m,
     )
 
 
@@ -146,8 +117,8 @@ TORCH_DTYPES = ["float32", "bfloat16", "float8_e4m3fn"]
 
 @pytest.fixture(scope="module")
 def torch_gemm():
-    pytest.importorskip("torch", reason="the torch backend needs torch")
-    return grouped_gemm.get_gemm("torch")
+    pytest.importorskip("torch", reason=TORCH_REASON)
+    return GEMMS.get("torch")
 
 
 def _skip_if_refused(backend, problem):
@@ -161,9 +132,9 @@ def test_torch_contiguous_matches_oracle(torch_gemm, problem, dtype):
     num_rows = layouts.contiguous_num_rows(
         problem.num_tokens, problem.topk, problem.num_experts, problem.alignment
     )
-    gemm_problem = _problem_for("contiguous", problem, dtype, num_rows)
+    gemm_problem = _problem_for("contiguous", problem, dtype)
     _skip_if_refused(torch_gemm, gemm_problem)
-    assert grouped_gemm.select_gemm("torch", gemm_problem) is torch_gemm
+    assert GEMMS.select("torch", gemm_problem) is torch_gemm
     out_dtype = jnp.float32 if dtype != "bfloat16" else jnp.bfloat16
     y, ref, lay = _run_contiguous(torch_gemm, problem, dtype, out_dtype, seed=3)
     assert y.shape == (num_rows, problem.n) and y.dtype == out_dtype
@@ -177,10 +148,11 @@ def test_torch_contiguous_matches_oracle(torch_gemm, problem, dtype):
 def test_torch_masked_matches_oracle(torch_gemm, dtype):
     problem = Problem("masked", 11, 2, 5, 40, 256, 1)
     max_m = 6  # fewer than T*k: some pairs are dropped, some experts are empty or full
-    gemm_problem = _problem_for("masked", problem, dtype, max_m)
+    gemm_problem = _problem_for("masked", problem, dtype, max_m=max_m)
     _skip_if_refused(torch_gemm, gemm_problem)
     x, xs, w, ws, _, xf, wf = _operands(problem, dtype, seed=5)
-    # Experts 0 and 1 overflow max_m (5 pairs dropped), expert 2 is empty, id 9 and -1 go nowhere.
+    # Experts 0 and 1 overflow max_m (9 and 8 tokens: 5 rows dropped), expert 2 is empty, ids 9
+    # and -1 go nowhere.
     ids = jnp.array([[0, 1]] * 7 + [[0, -1], [3, 0], [1, 4], [9, 3]], jnp.int32)
     lay = _masked_layout(x, ids, num_experts=problem.num_experts, max_m=max_m, x_scales=xs)
     out_dtype = jnp.float32 if dtype != "bfloat16" else jnp.bfloat16
@@ -195,7 +167,7 @@ def test_torch_masked_matches_oracle(torch_gemm, dtype):
             rows_f[inverse[t, j]] = xf[t]
     counts = np.asarray(lay.num_tokens_per_expert)
     assert counts.tolist() == [6, 6, 0, 2, 1] and int(lay.num_dropped) == 5
-    ref = _oracle_masked(rows_f.reshape(problem.num_experts, max_m, -1), wf, counts)
+    ref = oracles.grouped_gemm_masked(rows_f.reshape(problem.num_experts, max_m, -1), wf, counts)
     is_valid = np.arange(max_m)[None, :] < counts[:, None]
     got = np.asarray(y.astype(jnp.float32), np.float64)
     assert _rel_err(got[is_valid], ref[is_valid]) < TOL[dtype]
@@ -218,39 +190,59 @@ def test_torch_zero_rows_need_no_library_call(torch_gemm):
     assert y.shape == (3, 0, 16)
 
 
-def test_torch_refusals(monkeypatch):
-    backend = grouped_gemm.get_gemm("torch")
-    gpu_f32 = grouped_gemm.GemmProblem(
-        layout="masked",
-        num_rows=8,
-        n=16,
-        k=128,
-        num_groups=2,
-        x_dtype="float32",
-        w_dtype="float32",
-        platform="gpu",
-    )
-    assert "float32" in backend.unsupported_reason(gpu_f32)
-    odd = dataclasses.replace(gpu_f32, x_dtype="bfloat16", w_dtype="bfloat16", k=100)
-    assert "multiples of 8" in backend.unsupported_reason(odd)
-    tpu = dataclasses.replace(gpu_f32, platform="tpu")
-    assert "tpu" in backend.unsupported_reason(tpu)
+GPU_F32 = grouped_gemm.GemmProblem(
+    layout="masked",
+    n=16,
+    k=128,
+    num_experts=2,
+    num_pairs=8,
+    x_dtype="float32",
+    w_dtype="float32",
+    platform="gpu",
+    max_m=8,
+)
+
+
+def _pretend_missing(monkeypatch, *missing: str, present: tuple[str, ...] = ()):
+    """importlib.util.find_spec answers None for `missing` and a stand-in for `present`."""
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
-    )
-    assert "pip install 'moe_jax[torch]'" in backend.unsupported_reason(
-        dataclasses.replace(gpu_f32, platform="cpu")
-    )
+
+    def find_spec(name, *args):
+        if name in missing:
+            return None
+        if name in present:
+            return object()
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_torch_refusals(monkeypatch):
+    backend = GEMMS.get("torch")
+    _pretend_missing(monkeypatch, present=("torch",))  # the rules below the install check
+    assert "float32" in backend.unsupported_reason(GPU_F32)
+    odd = dataclasses.replace(GPU_F32, x_dtype="bfloat16", w_dtype="bfloat16", k=100)
+    assert "multiples of 8" in backend.unsupported_reason(odd)
+    tpu = dataclasses.replace(GPU_F32, platform="tpu")
+    assert "tpu" in backend.unsupported_reason(tpu)
+
+
+def test_torch_refusal_without_torch_names_the_extra(monkeypatch):
+    backend = GEMMS.get("torch")
+    _pretend_missing(monkeypatch, "torch")
+    cpu = dataclasses.replace(GPU_F32, platform="cpu")
+    assert "pip install 'moe_jax[torch]'" in backend.unsupported_reason(cpu)
+    with pytest.raises(NotImplementedError, match=r"moe_jax\[torch\]"):
+        GEMMS.select("torch", cpu)
 
 
 # ---------------------------------------------------------------- deep_gemm: pure-JAX parts (CPU)
 
 
 def test_scale_layout_round_trips_through_the_torch_view():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the torch view of the scales needs torch")
     from moe_jax.interop import deep_gemm
 
     for shape in [(6, 2), (8, 3), (1, 1), (4, 5, 2)]:
@@ -268,28 +260,35 @@ def test_scale_layout_round_trips_through_the_torch_view():
             assert view.stride(0) == padded * shape[-1]
 
 
-def test_deep_gemm_refuses_off_gpu_and_explains():
-    from moe_jax.interop import deep_gemm
-
-    backend = grouped_gemm.get_gemm("deep_gemm")
+def test_deep_gemm_refuses_off_gpu_and_explains(monkeypatch, request):
+    backend = GEMMS.get("deep_gemm")
     problem = grouped_gemm.GemmProblem(
         layout="contiguous",
-        num_rows=256,
         n=256,
         k=256,
-        num_groups=4,
+        num_experts=4,
+        num_pairs=256,
         x_dtype="float8_e4m3fn",
         w_dtype="float8_e4m3fn",
-        alignment=128,
         platform="cpu",
+        alignment=128,
     )
     assert "GPU" in backend.unsupported_reason(problem)
-    if jax.default_backend() != "gpu" and deep_gemm._library()[0] is None:
-        gpu = dataclasses.replace(problem, platform="gpu")
-        why = backend.unsupported_reason(gpu)
-        assert "deepinfer-gemm" in why and "nvcc" in why
     with pytest.raises(NotImplementedError, match="deep_gemm"):
-        grouped_gemm.select_gemm("deep_gemm", problem)
+        GEMMS.select("deep_gemm", problem)
+    # On a GPU without the library (pretended, so this runs with or without torch installed).
+    # The backend caches its import attempt: forget it before and after.
+    from moe_jax.interop import deep_gemm
+
+    request.addfinalizer(deep_gemm._library.cache_clear)
+    gpu = dataclasses.replace(problem, platform="gpu")
+    _pretend_missing(monkeypatch, "deep_gemm", present=("torch",))
+    deep_gemm._library.cache_clear()
+    why = backend.unsupported_reason(gpu)
+    assert "deepinfer-gemm" in why and "nvcc" in why
+    _pretend_missing(monkeypatch, "torch")
+    deep_gemm._library.cache_clear()
+    assert "moe_jax[torch]" in backend.unsupported_reason(gpu)
 
 
 def test_deep_gemm_checks_operands_before_calling_the_library():
@@ -346,14 +345,11 @@ def test_deep_gemm_contiguous_bitwise_equals_direct_call(problem):
     import deep_gemm as dg
     import torch
 
-    backend = grouped_gemm.get_gemm("deep_gemm")
+    backend = GEMMS.get("deep_gemm")
     num_rows = layouts.contiguous_num_rows(
         problem.num_tokens, problem.topk, problem.num_experts, problem.alignment
     )
-    assert (
-        backend.unsupported_reason(_problem_for("contiguous", problem, "float8_e4m3fn", num_rows))
-        is None
-    )
+    assert backend.unsupported_reason(_problem_for("contiguous", problem, "float8_e4m3fn")) is None
     y, ref, lay = _run_contiguous(backend, problem, "float8_e4m3fn", jnp.bfloat16, seed=11)
     x, xs, w, ws, ids, _, _ = _operands(problem, "float8_e4m3fn", seed=11)
     lay = _permute(x, ids, num_experts=problem.num_experts, x_scales=xs, alignment=128)
@@ -380,7 +376,7 @@ def test_deep_gemm_masked_bitwise_equals_direct_call():
 
     problem = Problem("gpu_masked", 300, 4, 4, 256, 512, 1)
     max_m = 256
-    backend = grouped_gemm.get_gemm("deep_gemm")
+    backend = GEMMS.get("deep_gemm")
     x, xs, w, ws, ids, xf, wf = _operands(problem, "float8_e4m3fn", seed=13)
     lay = _masked_layout(x, ids, num_experts=4, max_m=max_m, x_scales=xs)
     f = jax.jit(lambda *a, **kw: backend.masked(*a, **kw, expected_m=128, out_dtype=jnp.bfloat16))
@@ -403,7 +399,7 @@ def test_deep_gemm_masked_bitwise_equals_direct_call():
     for t, j in np.ndindex(inverse.shape):
         if inverse[t, j] >= 0:
             rows_f[inverse[t, j]] = xf[t]
-    ref = _oracle_masked(rows_f.reshape(4, max_m, -1), wf, counts)
+    ref = oracles.grouped_gemm_masked(rows_f.reshape(4, max_m, -1), wf, counts)
     assert _rel_err(got[is_valid].astype(np.float64), ref[is_valid]) < FP8_TOL
 
 
@@ -411,7 +407,7 @@ def test_deep_gemm_masked_bitwise_equals_direct_call():
 def test_deep_gemm_bf16_contiguous_matches_oracle():
     problem = Problem("gpu_bf16", 160, 2, 4, 256, 256, 128)
     y, ref, lay = _run_contiguous(
-        grouped_gemm.get_gemm("deep_gemm"), problem, "bfloat16", jnp.bfloat16, seed=17
+        GEMMS.get("deep_gemm"), problem, "bfloat16", jnp.bfloat16, seed=17
     )
     is_valid = np.asarray(lay.expert_ids) >= 0
     got = np.asarray(y.astype(jnp.float32), np.float64)[is_valid]
