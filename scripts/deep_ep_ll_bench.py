@@ -36,6 +36,7 @@ from moe_jax import distributed, fused_moe, quant
 from moe_jax.experts import ExpertWeights
 from moe_jax.interop import deep_ep as dep
 from moe_jax.interop import deep_ep_layouts as dl
+from moe_jax.interop import deep_ep_ll as dep_ll
 
 FAILURES: list[str] = []
 
@@ -106,7 +107,7 @@ def check_layer(args, ll, torch) -> None:
     """deep_ep_ll_moe == fused_moe (same FP8 weights) on fresh inputs."""
     for seed in (1, 2):
         x, w, tw, ids = make_problem(args, seed)
-        out = jax.jit(lambda *a: dep.deep_ep_ll_moe(*a, ll=ll))(x, w, tw, ids)
+        out = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))(x, w, tw, ids)
         ref = fused_moe(x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale)
         err = rel_error(out, ref)
         # Two FP8 casts of the same bf16 rows (DeepEP's amax floor 1e-4 vs moe_jax's) and DeepEP's
@@ -184,7 +185,7 @@ def time_round_trips(args, ll, proxy, torch) -> dict:
         "moe_jax_wall_us": wall(lambda: ours(x, y, tw, ids), jax.block_until_ready),
     }
     # Split view: same programs, built around the event proxy.
-    proxy_ll = dep.DeepEPLowLatency(buffer=proxy, problem=p, recv_copy=ll.recv_copy)
+    proxy_ll = dep_ll.DeepEPLowLatency(buffer=proxy, problem=p, recv_copy=ll.recv_copy)
     ours_split = jax.jit(lambda *a: _chain_with(proxy_ll, n, *a))
     buf = proxy
     runs = (("direct", lambda: direct(x_t)), ("moe_jax", lambda: ours_split(x, y, tw, ids)))
@@ -238,7 +239,7 @@ def time_layer(args, ll) -> dict:
     from moe_jax.cli.timing import time_jax
 
     x, w, tw, ids = make_problem(args, 6)
-    layer = jax.jit(lambda *a: dep.deep_ep_ll_moe(*a, ll=ll))
+    layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
     single = jax.jit(
         lambda x, w, tw, ids: fused_moe(
             x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale
@@ -274,7 +275,7 @@ def main() -> int:
         hidden=args.hidden,
         num_topk=args.topk,
     )
-    buffer = dep.make_low_latency_buffer(ctx.group, problem)
+    buffer = dep_ll.make_low_latency_buffer(ctx.group, problem)
     report(
         devices=str(jax.devices()),
         jax=jax.__version__,
@@ -283,7 +284,7 @@ def main() -> int:
         topk_idx_t=str(getattr(dep.import_deep_ep(), "topk_idx_t", None)),
     )
     try:
-        ll = dep.DeepEPLowLatency(buffer=buffer, problem=problem)
+        ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem)
         steps = [
             ("dispatch_vs_direct", lambda: check_dispatch_against_direct(args, ll, buffer, torch)),
             ("layer_vs_fused_moe", lambda: check_layer(args, ll, torch)),
@@ -291,7 +292,7 @@ def main() -> int:
         if not args.quick:
             proxy = EventProxy(buffer, torch)
             for copy in ("valid_rows", "all_rows"):
-                timed = dep.DeepEPLowLatency(buffer=buffer, problem=problem, recv_copy=copy)
+                timed = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, recv_copy=copy)
                 steps.append(
                     (
                         f"round_trips[{copy}]",

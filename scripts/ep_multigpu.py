@@ -32,7 +32,9 @@ from moe_jax.expert_parallel import expert_map_for_rank
 from moe_jax.experts import ExpertWeights
 from moe_jax.grouped_gemm import dequant_rows
 from moe_jax.interop import deep_ep as dep
+from moe_jax.interop import deep_ep_ht as dep_ht
 from moe_jax.interop import deep_ep_layouts as dl
+from moe_jax.interop import deep_ep_ll as dep_ll
 
 FAILURES: list[str] = []
 
@@ -101,10 +103,10 @@ def run_high_throughput(ctx, args, torch) -> None:
         num_ranks=n, rank=ctx.process_id, num_experts=args.experts,
         num_tokens=args.ht_tokens, hidden=args.hidden, num_topk=args.topk,
     )  # fmt: skip
-    buffer = dep.make_high_throughput_buffer(ctx.group, problem)
+    buffer = dep_ht.make_high_throughput_buffer(ctx.group, problem)
     try:
         layer = ModularMoE(
-            dep.DeepEPHighThroughput(buffer=buffer, problem=problem), ContiguousExperts()
+            dep_ht.DeepEPHighThroughput(buffer=buffer, problem=problem), ContiguousExperts()
         )
         expert_map = expert_map_for_rank(args.experts, n, ctx.process_id)
 
@@ -137,8 +139,8 @@ def run_high_throughput(ctx, args, torch) -> None:
         ids_t = torch.from_dlpack(idr).to(torch.int64)
         w_t = torch.from_dlpack(wr).clone()
         deep_ep = dep.import_deep_ep()
-        cfg_d = deep_ep.Config(dep.HT_NUM_SMS, *dep.HT_DISPATCH_TUNING[n])
-        cfg_c = deep_ep.Config(dep.HT_NUM_SMS, *dep.HT_COMBINE_TUNING[n])
+        cfg_d = deep_ep.Config(dep_ht.HT_NUM_SMS, *dep_ht.HT_DISPATCH_TUNING[n])
+        cfg_c = deep_ep.Config(dep_ht.HT_NUM_SMS, *dep_ht.HT_COMBINE_TUNING[n])
 
         def direct():
             per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
@@ -185,10 +187,10 @@ def run_low_latency(ctx, args, torch) -> None:
         num_ranks=n, rank=ctx.process_id, num_experts=args.experts,
         num_tokens=args.ll_tokens, hidden=args.hidden, num_topk=args.topk,
     )  # fmt: skip
-    buffer = dep.make_low_latency_buffer(ctx.group, problem)
+    buffer = dep_ll.make_low_latency_buffer(ctx.group, problem)
     try:
-        ll = dep.DeepEPLowLatency(buffer=buffer, problem=problem)
-        layer = jax.jit(lambda *a: dep.deep_ep_ll_moe(*a, ll=ll))
+        ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem)
+        layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
         out = layer(xr, ew, wr, idr)
         ref = fused_moe(x, w1, w2, weights, ids, **scales)[tok]
         err = rel_error(out, ref)

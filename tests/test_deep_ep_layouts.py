@@ -189,21 +189,22 @@ def test_dispatch_ids_and_limits():
 
 
 def test_adapters_refuse_unsupported_problems_before_touching_deep_ep():
-    from moe_jax.interop import deep_ep as dep
+    from moe_jax.interop import deep_ep_ht as dep_ht
+    from moe_jax.interop import deep_ep_ll as dep_ll
 
     problem = dict(rank=0, num_experts=64, num_tokens=128, hidden=7168, num_topk=8)
     with pytest.raises(ValueError, match="2, 4, 8"):
-        dep.DeepEPHighThroughput(buffer=None, problem=dl.DeepEPProblem(num_ranks=3, **problem))
+        dep_ht.DeepEPHighThroughput(buffer=None, problem=dl.DeepEPProblem(num_ranks=3, **problem))
     with pytest.raises(ValueError, match="even SM count"):
-        dep.DeepEPHighThroughput(
+        dep_ht.DeepEPHighThroughput(
             buffer=None, problem=dl.DeepEPProblem(num_ranks=2, **problem), num_sms=21
         )
     with pytest.raises(ValueError, match="hidden sizes"):
-        dep.DeepEPLowLatency(
+        dep_ll.DeepEPLowLatency(
             buffer=None, problem=dl.DeepEPProblem(num_ranks=8, **{**problem, "hidden": 1000})
         )
     with pytest.raises(ValueError, match="recv_copy"):
-        dep.DeepEPLowLatency(
+        dep_ll.DeepEPLowLatency(
             buffer=None, problem=dl.DeepEPProblem(num_ranks=8, **problem), recv_copy="some"
         )
     assert dl.DeepEPProblem(num_ranks=8, **problem).num_local_experts == 8
@@ -289,7 +290,7 @@ def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatc
     import sys
     import types
 
-    from moe_jax.interop import deep_ep as dep
+    from moe_jax.interop import deep_ep_ll as dep_ll
 
     monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(topk_idx_t=torch.int64))
     rng = np.random.default_rng(7)
@@ -315,11 +316,11 @@ def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatc
         hidden=hidden,
         num_topk=topk,
     )
-    ll = dep.DeepEPLowLatency(buffer=buffer, problem=problem, use_fp8=fp8)
+    ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, use_fp8=fp8)
     expert_weights = ExpertWeights(
         w1=w1, w2=w2, w1_scale=scales.get("w1_scale"), w2_scale=scales.get("w2_scale")
     )
-    out = jax.jit(lambda *a: dep.deep_ep_ll_moe(*a, ll=ll))(
+    out = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))(
         x, expert_weights, weights, jnp.asarray(ids, jnp.int32)
     )
     assert buffer.calls == ["dispatch", "combine"]

@@ -1,0 +1,319 @@
+"""DeepEP low-latency dispatch -> masked experts -> combine (`deep_ep_ll_moe`; see
+`moe_jax.interop.deep_ep` for the shared contract and hazards)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax import quant
+from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax.interop import deep_ep_layouts as dl
+from moe_jax.interop.bridge import import_torch, torch_callback
+from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
+from moe_jax.interop.deep_ep_layouts import DeepEPProblem, LLDispatched, LLHandle
+from moe_jax.registry import AUTO
+
+# How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
+# (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device).
+# "auto" is "valid_rows" on a GPU backend (fewer bytes: ~7.6 MB instead of ~30 MB at T_max=128,
+# E_local=32, H=7168), else "all_rows". At that size the round trip is bound by host time and the
+# two were within run-to-run noise on one H200 (2026-12-01: 172 vs 203 us in one run, 274 vs
+# 224 us in another).
+LL_RECV_COPIES = (AUTO, "valid_rows", "all_rows")
+
+
+def make_low_latency_buffer(group: Any, problem: DeepEPProblem):
+    """A `deep_ep.Buffer` for `DeepEPLowLatency` (vLLM's settings): RDMA bytes from DeepEP's
+    hint, one queue pair per local expert (DeepEP's requirement), NVLink between local peers.
+    `explicitly_destroy=True`: call `.destroy()` before the process group goes."""
+    deep_ep, p = import_deep_ep(), problem
+    return deep_ep.Buffer(
+        group,
+        num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            p.num_tokens, p.hidden, p.num_ranks, p.num_experts
+        ),
+        low_latency_mode=True,
+        num_qps_per_rank=p.num_local_experts,
+        allow_nvlink_for_low_latency_mode=True,
+        explicitly_destroy=True,
+    )
+
+
+@functools.cache
+def _valid_rows_kernel():
+    """The Triton kernel behind LL's "valid_rows" copy (built on first use; needs triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_valid_rows(
+        # inputs (DeepEP's tensors)
+        count_ptr,
+        rows_ptr,
+        scales_ptr,
+        info_ptr,
+        layout_ptr,
+        # outputs (XLA's buffers)
+        out_count_ptr,
+        out_rows_ptr,
+        out_scales_ptr,
+        out_info_ptr,
+        out_layout_ptr,
+        num_rows,  # R * T_max
+        row_words,  # int32 words per row
+        num_groups,  # scales per row
+        layout_words,  # 2R
+        HAS_SCALES: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+    ):
+        # Program (e, b) copies rows [b * BLOCK_T, (b + 1) * BLOCK_T) of expert e that are below
+        # its count (E=2, counts [3, 0], BLOCK_T=2: programs (0, 0) and (0, 1) copy rows 0-1 and
+        # 2; the others copy nothing). Program (e, 0) also copies count[e] and layout_range[e].
+        e = tl.program_id(0)
+        start = tl.program_id(1) * BLOCK_T
+        count = tl.load(count_ptr + e)
+        if tl.program_id(1) == 0:
+            tl.store(out_count_ptr + e, count)
+            lw = tl.arange(0, BLOCK_L)
+            lm = lw < layout_words
+            lv = tl.load(layout_ptr + e * layout_words + lw, mask=lm)
+            tl.store(out_layout_ptr + e * layout_words + lw, lv, mask=lm)
+        if start < count:
+            t = start + tl.arange(0, BLOCK_T)
+            is_valid = t < count
+            row = (e * num_rows + t).to(tl.int64)
+            tl.store(out_info_ptr + row, tl.load(info_ptr + row, mask=is_valid), mask=is_valid)
+            for w0 in range(0, row_words, BLOCK_W):
+                w = w0 + tl.arange(0, BLOCK_W)
+                mask = is_valid[:, None] & (w[None, :] < row_words)
+                offs = row[:, None] * row_words + w[None, :]
+                tl.store(out_rows_ptr + offs, tl.load(rows_ptr + offs, mask=mask), mask=mask)
+            if HAS_SCALES:  # storage [E, G, R * T_max]: row t of group g at (e * G + g) * rows + t
+                g = tl.arange(0, BLOCK_G)
+                mask = (g[:, None] < num_groups) & is_valid[None, :]
+                offs = (e * num_groups + g[:, None]).to(tl.int64) * num_rows + t[None, :]
+                tl.store(out_scales_ptr + offs, tl.load(scales_ptr + offs, mask=mask), mask=mask)
+
+    return triton, copy_valid_rows
+
+
+def _copy_received(out, received, *, valid_rows_only: bool) -> None:
+    """Copies LL dispatch results (count, rows, scales storage or None, src_info, layout_range as
+    int32 words) into XLA's `out` buffers, in `LLDispatched`'s leaf order."""
+    count, rows, scales, info, layout = received
+    if not valid_rows_only:
+        sources = [rows, scales, count, info, layout]
+        for o, t in zip(out, [s for s in sources if s is not None], strict=True):
+            o.copy_(t)
+        return
+    torch = import_torch()
+    triton, kernel = _valid_rows_kernel()
+    out_rows, out_scales = out[0], (out[1] if scales is not None else None)
+    out_count, out_info, out_layout = out[1 + (scales is not None) :]
+    num_experts, num_rows = rows.shape[:2]
+    num_groups = 1 if scales is None else scales.shape[1]
+    row_words = rows[0, 0].numel() * rows.element_size() // 4
+    kernel[(num_experts, triton.cdiv(num_rows, 8))](
+        count,
+        rows.view(torch.int32),
+        rows if scales is None else scales,
+        info,
+        layout,
+        out_count,
+        out_rows.view(torch.int32),
+        out_rows if out_scales is None else out_scales,
+        out_info,
+        out_layout,
+        num_rows,
+        row_words,
+        num_groups,
+        layout.shape[1],
+        HAS_SCALES=scales is not None,
+        BLOCK_T=8,
+        BLOCK_W=1024,
+        BLOCK_G=triton.next_power_of_2(num_groups),
+        BLOCK_L=triton.next_power_of_2(layout.shape[1]),
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeepEPLowLatency:
+    """DeepEP low-latency dispatch/combine (module docstring).
+
+    Attributes:
+      buffer: this process's `make_low_latency_buffer(group, problem)`.
+      problem: `DeepEPProblem` with num_tokens = T_max, the most tokens a rank sends per call.
+      use_fp8: dispatch FP8 rows + scales (DeepEP quantizes; amax floor 1e-4) instead of bf16.
+      recv_copy: how the receive buffers reach XLA (`LL_RECV_COPIES`).
+    """
+
+    buffer: Any
+    problem: DeepEPProblem
+    use_fp8: bool = True
+    recv_copy: str = AUTO
+
+    def __post_init__(self):
+        p = self.problem
+        dl.check_ll(
+            num_ranks=p.num_ranks,
+            hidden=p.hidden,
+            num_topk=p.num_topk,
+            num_max_tokens_per_rank=p.num_tokens,
+            num_experts=p.num_experts,
+            use_fp8=self.use_fp8,
+        )
+        if self.recv_copy not in LL_RECV_COPIES:
+            raise ValueError(f"recv_copy={self.recv_copy!r}; choose from {LL_RECV_COPIES}")
+
+    def dispatch(self, x: jax.Array, topk_ids: jax.Array) -> LLDispatched:
+        """x bf16[T <= T_max, H], topk_ids int[T, k] global -> `LLDispatched`."""
+        p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
+        if x.shape[0] > p.num_tokens or x.shape[1] != p.hidden:
+            raise ValueError(f"{x.shape=} but the problem has T_max={p.num_tokens}, H={p.hidden}")
+        t_tot, e_loc, use_fp8 = p.num_ranks * p.num_tokens, p.num_local_experts, self.use_fp8
+        results = [
+            jax.ShapeDtypeStruct(
+                (e_loc, t_tot, p.hidden), quant.FP8_DTYPE if use_fp8 else jnp.bfloat16
+            )
+        ]
+        if use_fp8:
+            results.append(
+                jax.ShapeDtypeStruct((e_loc, p.hidden // dl.FP8_GROUP, t_tot), jnp.float32)
+            )
+        results += [
+            jax.ShapeDtypeStruct((e_loc,), jnp.int32),
+            jax.ShapeDtypeStruct((e_loc, t_tot), jnp.int32),
+            jax.ShapeDtypeStruct((e_loc, 2 * p.num_ranks), jnp.int32),
+        ]
+        is_gpu = jax.default_backend() == "gpu"
+        copy = self.recv_copy
+        if copy == AUTO:
+            copy = "valid_rows" if is_gpu else "all_rows"
+        if copy == "valid_rows" and not is_gpu:
+            raise ValueError("recv_copy='valid_rows' is a GPU (Triton) kernel; use 'all_rows'")
+        ids_from_words = topk_idx_from_words(torch, deep_ep)
+
+        def dispatch(out, x_t, words_t):
+            recv, count, handle, _, _ = buffer.low_latency_dispatch(
+                x_t,
+                ids_from_words(words_t),
+                p.num_tokens,
+                p.num_experts,
+                use_fp8=use_fp8,
+                async_finish=False,
+                return_recv_hook=False,
+            )
+            rows, scales = recv if use_fp8 else (recv, None)
+            if scales is not None:  # [E, T_tot, G] with strides (G * T_tot, 1, T_tot)
+                scales = scales.transpose(1, 2)
+            src_info, layout_range = handle[0], handle[1].view(torch.int32)
+            _copy_received(
+                out,
+                (count, rows, scales, src_info, layout_range),
+                valid_rows_only=copy == "valid_rows",
+            )
+
+        words = dl.topk_idx_words(topk_ids, num_experts=p.num_experts)
+        outs = torch_callback(dispatch, results)(x.astype(jnp.bfloat16), words)
+        count, src_info, layout_range = outs[1 + use_fp8 :]
+        return LLDispatched(
+            rows=outs[0],
+            scales_storage=outs[1] if use_fp8 else None,
+            recv_count=count,
+            handle=LLHandle(src_info=src_info, layout_range=layout_range),
+        )
+
+    def combine(
+        self, y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, dispatched: LLDispatched
+    ) -> jax.Array:
+        """y bf16[E_local, R * T_max, H] (unweighted expert outputs; rows past the counts are
+        not read) -> bf16[T, H], the weighted sum over each token's experts. DeepEP writes the
+        result straight into XLA's output buffer."""
+        p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
+        ids_from_words = topk_idx_from_words(torch, deep_ep)
+
+        def combine(out, y_t, words_t, w_t, src_info, layout_range):
+            handle = (
+                src_info,
+                layout_range.view(torch.int64),
+                p.num_tokens,
+                p.hidden,
+                p.num_experts,
+            )
+            buffer.low_latency_combine(
+                y_t,
+                ids_from_words(words_t),
+                w_t,
+                handle,
+                async_finish=False,
+                return_recv_hook=False,
+                out=out,
+            )
+
+        result = jax.ShapeDtypeStruct((topk_ids.shape[0], p.hidden), jnp.bfloat16)
+        return torch_callback(combine, result)(
+            y.astype(jnp.bfloat16),
+            dl.topk_idx_words(topk_ids, num_experts=p.num_experts),
+            topk_weights.astype(jnp.float32),
+            dispatched.handle.src_info,
+            dispatched.handle.layout_range,
+        )
+
+
+def deep_ep_ll_moe(
+    x: jax.Array,
+    weights: ExpertWeights,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    ll: DeepEPLowLatency,
+    activation: str = "silu",
+    gemm: str = AUTO,
+) -> jax.Array:
+    """One rank's MoE layer over DeepEP low-latency: dispatch -> masked experts -> combine.
+
+    Args:
+      x: bf16[T, H] this rank's tokens, T <= T_max (`ll.problem.num_tokens`).
+      weights: this rank's experts, [E_local, ...] (global ids [rank * E_local, ...)).
+      topk_weights: float[T, k] router weights.
+      topk_ids: int[T, k] global expert ids; ids outside [0, E) go nowhere.
+      ll: `DeepEPLowLatency`.
+      activation: gated activation of the experts.
+      gemm: grouped-GEMM backend of the masked layout (`moe_jax.grouped_gemm.GEMMS`); "auto" is
+        DeepGEMM's masked GEMM on an H200.
+
+    Returns:
+      bf16[T, H]. With FP8 weights the dispatch sends FP8 (DeepEP's own cast, amax floor 1e-4:
+      last-bit differences from moe_jax's quantizer) unless `ll.use_fp8` is False, in which case
+      the received bf16 rows are quantized here.
+    """
+    got = ll.dispatch(x, topk_ids)
+    scales = None if got.scales_storage is None else dl.ll_scales_from_storage(got.scales_storage)
+    rows = got.rows
+    quant_config = quant.Fp8BlockQuant() if weights.is_fp8 else None
+    if quant_config is not None and scales is None:
+        rows, scales = quant_config.quantize_activations(rows)
+    elif quant_config is None and scales is not None:
+        raise ValueError("FP8 dispatch with bf16 weights: build DeepEPLowLatency(use_fp8=False)")
+    p = ll.problem
+    y = dl.masked_experts_forward(
+        rows,
+        scales,
+        got.recv_count,
+        weights,
+        gemm=gemm,
+        call=ExpertsCall(activation=activation, quant_config=quant_config, out_dtype=jnp.bfloat16),
+        num_pairs=p.num_ranks * p.num_tokens * p.num_topk,
+        expected_m=dl.ll_expected_m(
+            x.shape[0] * p.num_ranks, topk_ids.shape[1], p.num_experts, rows.shape[1]
+        ),
+    )
+    return ll.combine(y, topk_ids, topk_weights, got)
