@@ -39,7 +39,7 @@ EXPERTS = [
 ]
 
 
-def reference_moe(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False):
+def reference_moe(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False, intermediate=I):
     """float64 out[t] = sum_j w[t, j] * W2[e] @ (silu(W1g[e] x) * W1u[e] x), e = local_ids[t, j]."""
     is_valid = local_ids >= 0
     e = np.maximum(local_ids, 0)
@@ -48,7 +48,7 @@ def reference_moe(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False):
         x = x * topk_weights[:, :1]
         weights = jnp.ones_like(topk_weights)
     h = jnp.einsum("tkih,th->tki", w1[e], x)
-    gate, up = h[..., :I], h[..., I:]
+    gate, up = h[..., :intermediate], h[..., intermediate:]
     a = gate / (1.0 + jnp.exp(-gate)) * up
     y = jnp.einsum("tkhi,tki->tkh", w2[e], a)
     return jnp.sum(jnp.where(is_valid[..., None], weights[..., None] * y, 0.0), axis=1)
