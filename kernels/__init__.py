@@ -1,22 +1,26 @@
 """Pallas GPU kernels (Triton backend): permute, unpermute (weight-and-reduce), token counting,
-FP8 group quantization (alone and fused after act(gate) * up).
+FP8 group quantization (alone and fused after act(gate) * up), and a grouped GEMM for few rows
+per expert (decode).
 
 Installed as `moe_jax.kernels`; each kernel runs in interpret mode on CPU with `interpret=True`.
 """
 
 from moe_jax.kernels.act_quant import ActQuantConfig, act_and_quant, group_quant
 from moe_jax.kernels.count import CountConfig, count_expert_num_tokens
+from moe_jax.kernels.grouped_gemm import GroupedGemmConfig, grouped_gemm_contiguous
 from moe_jax.kernels.permute import PermuteConfig, permute
 from moe_jax.kernels.unpermute import UnpermuteConfig, unpermute
 
 __all__ = [
     "ActQuantConfig",
     "CountConfig",
+    "GroupedGemmConfig",
     "PermuteConfig",
     "UnpermuteConfig",
     "act_and_quant",
     "count_expert_num_tokens",
     "group_quant",
+    "grouped_gemm_contiguous",
     "permute",
     "unpermute",
 ]

@@ -111,13 +111,40 @@ class GroupedGemm(abc.ABC):
     ) -> jax.Array:
         """[E, max_m, K] x [E, N, K] -> [E, max_m, N] on the masked layout."""
 
+    def contiguous_dgrad(
+        self,
+        dy: jax.Array,
+        w: jax.Array,
+        expert_ids: jax.Array,
+        expert_ends: jax.Array,
+        *,
+        alignment: int,
+        out_dtype: jnp.dtype,
+    ) -> jax.Array:
+        """dx[row] = dy[row] @ w[expert(row)]: [M, N] x [E, N, K] -> [M, K] (NN, the backward of
+        `contiguous`). Default: `contiguous` against `jnp.swapaxes(w, 1, 2)` (a physical
+        transpose in XLA); backends with an NN kernel override it. Float weights only."""
+        return self.contiguous(
+            dy,
+            jnp.swapaxes(w, 1, 2),
+            expert_ids,
+            expert_ends,
+            alignment=alignment,
+            out_dtype=out_dtype,
+        )
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
 # Decode crossover: "auto" puts the Pallas grouped GEMM first while the routed pairs per expert
-# (T * k / E) are at most this many. H200 evidence: see `_preference`.
-PALLAS_MAX_PAIRS_PER_EXPERT = 64
+# (T * k / E) are at most this many. H200, 2026-12-01, jax 0.11.2, DeepSeek-V3 experts on one GPU
+# (E=256, H=7168, I=2048, k=8, FP8 128x128), whole layer, us per forward, Pallas vs DeepGEMM:
+#   pairs/expert 1/32 (T=1): 162 vs 176; 1/4 (T=8): 825 vs 939; 1 (T=32): 2528 vs 3221;
+#   4 (T=128): 3847 vs 3893; 16 (T=512): 4940 vs 4156; 64 (T=2048): 12129 vs 4947.
+# Pallas wins up to 4 and loses from 16 on (its 16-row tiles recompute less but its MMA rate is
+# far below DeepGEMM's once the work turns compute-bound). BENCHMARKS.md, "Decode-size layers".
+PALLAS_MAX_PAIRS_PER_EXPERT = 4
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:

@@ -1,0 +1,307 @@
+"""Pallas grouped GEMM (`moe_jax.kernels.grouped_gemm`) vs a float64 loop, its backend registration,
+the decode crossover of "auto", and `fused_moe(experts="pallas_interpret")` against the XLA path.
+
+Tolerances: with FP8 tiles upcast to bf16 (exact) or bf16 operands, each 128-wide K block is summed
+in float32, so with float32 output the kernel matches the float64 oracle to float32 summation
+error (rtol/atol 1e-4 on unit-scale products). A native FP8 dot (the heuristic's FP8 choice, as
+vLLM's) sums a block with fewer bits on Hopper: 2e-3. bf16 output adds one bf16 rounding (1e-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracles
+import pytest
+
+import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas", "pallas_interpret")
+import moe_jax.quant
+from moe_jax import grouped_gemm, layouts
+from moe_jax.experts import ContiguousExperts, ExpertWeights
+from moe_jax.fused_moe import fused_moe
+from moe_jax.grouped_gemm import GemmProblem
+
+gg = sys.modules["moe_jax.kernels.grouped_gemm"]  # the package re-exports a function of that name
+
+IMPLS = [
+    pytest.param("reference"),
+    pytest.param("pallas_interpret"),
+    pytest.param("pallas", marks=pytest.mark.gpu),
+]
+TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+FP8_DOT_TOL = dict(rtol=2e-3, atol=2e-3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    num_tokens: int
+    topk: int
+    num_experts: int
+    n: int
+    k: int
+    alignment: int = 16
+    dtype: str = "fp8"  # or "bfloat16"
+    only_experts: tuple[int, ...] | None = None  # route only to these (the rest stay empty)
+
+    def __str__(self):
+        return self.name
+
+
+CI_PROBLEMS = [
+    Problem("fp8_padding_and_invalid_ids", 9, 2, 4, 256, 256),
+    Problem("fp8_single_expert", 5, 1, 1, 128, 384, alignment=32),
+    Problem("fp8_empty_experts_align64", 11, 3, 8, 128, 256, alignment=64, only_experts=(1, 6)),
+    Problem("bf16_empty_experts", 7, 3, 8, 48, 96, dtype="bfloat16", only_experts=(0, 5, 7)),
+    Problem("bf16_one_token", 1, 1, 3, 64, 32, dtype="bfloat16"),
+]
+
+
+def _operands(problem: Problem, rng: np.random.Generator):
+    """(x, w, x_scales, w_scales, ids) in numpy: FP8 by vLLM's recipe or bf16."""
+    shape = (problem.num_tokens, problem.topk)
+    if problem.only_experts is not None:
+        ids = rng.choice(np.array(problem.only_experts), size=shape)
+    else:
+        ids = rng.integers(-1, problem.num_experts + 1, size=shape)  # invalid ids both sides
+    x = rng.standard_normal((problem.num_tokens, problem.k)).astype(np.float32)
+    w = (rng.standard_normal((problem.num_experts, problem.n, problem.k)) / 8).astype(np.float32)
+    if problem.dtype == "fp8":
+        x, x_scales = oracles.per_token_group_quant_fp8(x)
+        w, w_scales = oracles.per_block_quant_fp8(w)
+        return x, w, x_scales, w_scales, ids.astype(np.int32)
+    return x.astype(oracles.BF16), w.astype(oracles.BF16), None, None, ids.astype(np.int32)
+
+
+def _dequant(problem, x, w, x_scales, w_scales):
+    if problem.dtype == "fp8":
+        return oracles.dequant_per_token_group(x, x_scales), oracles.dequant_per_block(w, w_scales)
+    return x.astype(np.float64), w.astype(np.float64)
+
+
+def _run(impl, lay, w, w_scales, *, alignment, out_dtype, config=None):
+    args = (jnp.asarray(lay["rows"]), jnp.asarray(w), jnp.asarray(lay["expert_ids"], jnp.int32))
+    scales = dict(
+        x_scales=None if lay.get("row_scales") is None else jnp.asarray(lay["row_scales"]),
+        w_scales=None if w_scales is None else jnp.asarray(w_scales),
+    )
+    if impl == "reference":
+        return gg.grouped_gemm_contiguous_reference(
+            *args, **scales, alignment=alignment, out_dtype=out_dtype
+        )
+    return gg.grouped_gemm_contiguous(
+        *args,
+        **scales,
+        alignment=alignment,
+        out_dtype=out_dtype,
+        config=config,
+        interpret=impl == "pallas_interpret",
+    )
+
+
+def _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol):
+    """Each routed (token, slot) row equals w64[e] @ x64[t]; padding rows are not checked."""
+    x64, w64 = _dequant(problem, x, w, x_scales, w_scales)
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(y[lay["expert_ids"] >= 0]))
+    checked = 0
+    for t in range(problem.num_tokens):
+        for j in range(problem.topk):
+            e = ids[t, j]
+            if not 0 <= e < problem.num_experts:
+                continue
+            np.testing.assert_allclose(y[lay["inverse"][t, j]], w64[e] @ x64[t], **tol)
+            checked += 1
+    assert checked == int(np.sum(lay["expert_ids"] >= 0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("out_dtype", list(TOL))
+@pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
+def test_grouped_gemm_matches_float64_loop(impl, out_dtype, problem):
+    rng = np.random.default_rng(12)
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(
+        x, ids, problem.num_experts, alignment=problem.alignment, x_scales=x_scales
+    )
+    y = _run(impl, lay, w, w_scales, alignment=problem.alignment, out_dtype=out_dtype)
+    assert y.shape == (lay["rows"].shape[0], problem.n) and y.dtype == out_dtype
+    tol = FP8_DOT_TOL if problem.dtype == "fp8" and out_dtype == jnp.float32 else TOL[out_dtype]
+    _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
+
+
+CONFIGS = [
+    gg.GroupedGemmConfig(block_m=16, block_n=16, block_k=32, num_stages=1),
+    gg.GroupedGemmConfig(block_m=32, block_n=128, is_transposed=True),
+    gg.GroupedGemmConfig(block_m=16, block_n=64, block_k=64, is_fp8_dot=True),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS[1:])
+@pytest.mark.parametrize("config", CONFIGS, ids=repr)
+def test_grouped_gemm_configs(impl, config):
+    problem = Problem("fp8_configs", 13, 2, 5, 256, 256, alignment=32)
+    rng = np.random.default_rng(3)
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=32, x_scales=x_scales)
+    y = _run(impl, lay, w, w_scales, alignment=32, out_dtype=jnp.float32, config=config)
+    tol = FP8_DOT_TOL if config.is_fp8_dot else TOL[jnp.float32]
+    _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
+
+
+def test_rows_not_a_multiple_of_block_m_are_padded():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((20, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.bfloat16)
+    ids = jnp.asarray([0] * 16 + [1] * 4, jnp.int32)  # the last segment is cut short
+    y = gg.grouped_gemm_contiguous(x, w, ids, alignment=16, out_dtype=jnp.float32, interpret=True)
+    want = gg.grouped_gemm_contiguous_reference(x, w, ids, alignment=16, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+)
+def test_masked_layout_matches_float64_loop(impl):
+    rng = np.random.default_rng(6)
+    num_experts, max_m, n, k = 3, 5, 128, 256
+    counts = np.array([5, 0, 2])
+    x = rng.standard_normal((num_experts, max_m, k)).astype(np.float32)
+    w = (rng.standard_normal((num_experts, n, k)) / 8).astype(np.float32)
+    xq, xs = oracles.per_token_group_quant_fp8(x)
+    wq, ws = oracles.per_block_quant_fp8(w)
+    y = grouped_gemm.GEMMS.get(impl).masked(
+        jnp.asarray(xq),
+        jnp.asarray(wq),
+        jnp.asarray(counts, jnp.int32),
+        x_scales=jnp.asarray(xs),
+        w_scales=jnp.asarray(ws),
+        out_dtype=jnp.float32,
+    )
+    assert y.shape == (num_experts, max_m, n)
+    x64, w64 = oracles.dequant_per_token_group(xq, xs), oracles.dequant_per_block(wq, ws)
+    for e in range(num_experts):
+        for r in range(counts[e]):
+            np.testing.assert_allclose(np.asarray(y[e, r]), w64[e] @ x64[e, r], **FP8_DOT_TOL)
+
+
+def _problem(**changes) -> GemmProblem:
+    base = dict(
+        layout="contiguous",
+        n=4096,
+        k=7168,
+        num_experts=256,
+        num_pairs=8,
+        x_dtype="float8_e4m3fn",
+        w_dtype="float8_e4m3fn",
+        platform="gpu",
+    )
+    return GemmProblem(**{**base, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        (dict(platform="cpu"), "needs an NVIDIA GPU"),
+        (dict(k=192), "multiples of 128"),
+        (dict(x_dtype="bfloat16"), "FP8 activations"),
+        (dict(x_dtype="bfloat16", w_dtype="float32"), "one dtype"),
+        (dict(alignment=8), "alignment 8"),
+        (dict(layout="ragged"), "layout"),
+    ],
+)
+def test_compiled_backend_refuses_with_a_reason(changes, reason):
+    assert reason in grouped_gemm.GEMMS.get("pallas").unsupported_reason(_problem(**changes))
+
+
+def test_interpret_backend_runs_anywhere_but_auto_never_picks_it():
+    problem = _problem(platform="cpu", x_dtype="bfloat16", w_dtype="bfloat16")
+    assert grouped_gemm.GEMMS.get("pallas_interpret").unsupported_reason(problem) is None
+    for platform in ("cpu", "gpu"):
+        for pairs in (8, 10**6):
+            names = grouped_gemm.GEMMS.preference(_problem(platform=platform, num_pairs=pairs))
+            assert "pallas_interpret" not in names
+
+
+def test_auto_puts_pallas_first_for_few_rows_per_expert_only():
+    limit = grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT
+    few = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit))
+    many = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit + 256))
+    assert few[0] == "pallas" and many[0] == "deep_gemm"
+    assert many.index("pallas") < many.index("xla")  # faster than the XLA loop as a fallback
+    assert grouped_gemm.GEMMS.preference(_problem(platform="cpu")) == ("xla",)
+
+
+def test_contiguous_experts_take_the_pallas_alignment():
+    weights = ExpertWeights(
+        w1=jnp.zeros((4, 64, 32), jnp.bfloat16), w2=jnp.zeros((4, 32, 32), jnp.bfloat16)
+    )
+    pair = ContiguousExperts(gemm="pallas_interpret").select_gemms(
+        weights, num_tokens=3, topk=2, x_dtype=jnp.bfloat16
+    )
+    assert pair.gemm1.name == pair.gemm2.name == "pallas_interpret"
+    assert pair.alignment == gg.PallasGemm.alignment == 16
+    rows = layouts.contiguous_num_rows(3, 2, 4, pair.alignment)
+    assert rows == 80  # round_up(6 pairs + 4 segments * 15 padding rows, 16)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
+@pytest.mark.parametrize(
+    "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+)
+def test_fused_moe_matches_the_xla_experts(impl, dtype):
+    rng = np.random.default_rng(7)
+    num_tokens, num_experts, hidden, inter, topk = 6, 4, 256, 128, 2
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, num_experts, (num_tokens, topk)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (num_tokens, topk)), jnp.float32)
+    scales = {}
+    if dtype == "fp8":
+        w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
+        w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
+        scales = dict(w1_scale=s1, w2_scale=s2)
+    else:
+        w1, w2 = w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16)
+    got = fused_moe(x, w1, w2, weights, ids, experts=impl, **scales)
+    want = fused_moe(x, w1, w2, weights, ids, experts="xla", **scales)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    # The same rounding points on both paths; an FP8 requantization may differ by one step.
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def test_decode_bench_runs_on_the_tiny_shape(tmp_path, capsys):
+    from moe_jax.cli.decode_bench import run_decode_bench
+
+    path = tmp_path / "decode.json"
+    status = run_decode_bench(
+        tokens=[2], iters=1, json_path=str(path), variants=["auto", "pallas_interpret"]
+    )
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "| T | active experts | limit us | auto us | x limit |" in table
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["tokens"] == 2 and 1 <= row["active_experts"] <= 8
+    for name in ("auto", "pallas_interpret"):
+        assert row["variants"][name]["rel_error"] < 0.1  # FP8 activations vs float32
+
+
+@pytest.mark.parametrize("impl", IMPLS[1:])
+@pytest.mark.parametrize("is_fp8_dot", [False, True])
+def test_uint16_packed_weights_path(impl, is_fp8_dot, monkeypatch):
+    """The path for FP8 weights of 2**31..2**32 elements, forced on a small problem."""
+    monkeypatch.setattr(gg, "_needs_packing", lambda w: True)
+    problem = Problem("fp8_packed", 10, 2, 3, 128, 256)
+    rng = np.random.default_rng(8)
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=16, x_scales=x_scales)
+    config = gg.GroupedGemmConfig(is_fp8_dot=is_fp8_dot)
+    y = _run(impl, lay, w, w_scales, alignment=16, out_dtype=jnp.float32, config=config)
+    tol = FP8_DOT_TOL if is_fp8_dot else TOL[jnp.float32]
+    _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
