@@ -55,6 +55,7 @@ _NAMES = {
         "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
     ),
     "bf16_contiguous": ("m_grouped_bf16_gemm_nt_contiguous",),
+    "bf16_contiguous_nn": ("m_grouped_bf16_gemm_nn_contiguous",),
     "bf16_masked": ("m_grouped_bf16_gemm_nt_masked",),
 }
 _FP8 = "float8_e4m3fn"
@@ -192,6 +193,29 @@ class DeepGemm(grouped_gemm.GroupedGemm):
             fn = functools.partial(_bf16_contiguous, _resolve("bf16_contiguous"))
             args = (x, w, expert_ids)
         y = bridge.torch_callback(fn, out, command_buffer_compatible=cmd)(*args)
+        return y.astype(out_dtype)
+
+    def contiguous_dgrad(self, dy, w, expert_ids, expert_ends, *, alignment, out_dtype):
+        """dy [M, N] @ w[e] [N, K]: `m_grouped_bf16_gemm_nn_contiguous` on w as stored (bf16
+        weights; no transpose). FP8 weights take the base class's transposed NT call."""
+        if w.dtype != jnp.bfloat16:
+            return super().contiguous_dgrad(
+                dy, w, expert_ids, expert_ends, alignment=alignment, out_dtype=out_dtype
+            )
+        num_rows, k = dy.shape[0], w.shape[2]
+        _check_operands(dy, jnp.swapaxes(w, 1, 2), None, None, grouped_rows=False)
+        if alignment != BLOCK or num_rows % BLOCK:
+            raise ValueError(
+                f"{alignment=}, {dy.shape=}: DeepGEMM needs {BLOCK}-row aligned segments"
+            )
+        if num_rows == 0:
+            return jnp.zeros((0, k), out_dtype)
+        fn = functools.partial(_bf16_contiguous, _resolve("bf16_contiguous_nn"))
+        out = jax.ShapeDtypeStruct((num_rows, k), jnp.bfloat16)
+        cmd = self.config.command_buffer_compatible
+        y = bridge.torch_callback(fn, out, command_buffer_compatible=cmd)(
+            dy, w, expert_ids.astype(jnp.int32)
+        )
         return y.astype(out_dtype)
 
     def masked(

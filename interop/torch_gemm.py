@@ -58,6 +58,11 @@ def _zero_empty_groups() -> bool:
     return getattr(jax.devices()[0], "compute_capability", "9.0") != "9.0"
 
 
+def _dgrad_fn(out, dy, w, expert_ends):
+    torch = bridge.import_torch()
+    out.copy_(torch._grouped_mm(dy, w, offs=expert_ends))
+
+
 def _masked_fn(out, x, w):
     torch = bridge.import_torch()
     if out.dtype == x.dtype:
@@ -99,6 +104,17 @@ class TorchGemm(grouped_gemm.GroupedGemm):
             return jnp.zeros((num_rows, n), out_dtype)
         a, b = _compute_operands(x, w, x_scales, w_scales)
         call = bridge.torch_callback(_contiguous_fn, jax.ShapeDtypeStruct((num_rows, n), out_dtype))
+        return call(a, b, expert_ends.astype(jnp.int32))
+
+    def contiguous_dgrad(self, dy, w, expert_ids, expert_ends, *, alignment, out_dtype):
+        """dy [M, N] @ w[e] [N, K] with w as stored (torch reads it N-major): no transpose."""
+        del expert_ids, alignment
+        _check_operands(dy, jnp.swapaxes(w, 1, 2), None, None, rows_axis=0)
+        num_rows, k = dy.shape[0], w.shape[2]
+        if num_rows == 0 or w.shape[0] == 0:
+            return jnp.zeros((num_rows, k), out_dtype)
+        a, b = _compute_operands(dy, w, None, None)
+        call = bridge.torch_callback(_dgrad_fn, jax.ShapeDtypeStruct((num_rows, k), out_dtype))
         return call(a, b, expert_ends.astype(jnp.int32))
 
     def masked(

@@ -6,8 +6,9 @@ Forward backends run in XLA (differentiable by themselves), in torch through
 all of them differentiable the same way, for `y[row] = x[row] @ w[expert(row)].T`:
 
 - dgrad: dx = dy @ w[e], i.e. the same contiguous (or masked) GEMM against `w` transposed,
-  `jnp.swapaxes(w, 1, 2)` [E, K, N], run by the forward's backend when it takes the transposed
-  problem, else by `GEMMS.select("auto", ...)`.
+  run by the forward's backend when it takes the transposed problem, else by
+  `GEMMS.select("auto", ...)`: `GroupedGemm.contiguous_dgrad`, which backends with an NN kernel
+  (torch, DeepGEMM bf16) run on `w` as stored; the others get `jnp.swapaxes(w, 1, 2)` [E, K, N].
 - wgrad: dw[e] = dy_e^T x_e over each expert's rows, [E, N, K], accumulated in float32, through the
   `WGRADS` registry (contiguous layout); the masked layout's wgrad is a dense batched product.
 
@@ -283,13 +284,8 @@ def _contiguous_bwd(statics, residuals, g):
     g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(x.dtype)
     problem = transposed_problem(_gemm_problem(x, w, statics, "contiguous"))
     dgrad = select_dgrad(statics.backend, problem)
-    dx = dgrad.contiguous(
-        g,
-        jnp.swapaxes(w, 1, 2),
-        expert_ids,
-        expert_ends,
-        alignment=statics.alignment,
-        out_dtype=x.dtype,
+    dx = dgrad.contiguous_dgrad(
+        g, w, expert_ids, expert_ends, alignment=statics.alignment, out_dtype=x.dtype
     )
     dw = grouped_wgrad(
         g,
