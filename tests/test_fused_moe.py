@@ -18,7 +18,6 @@ import pytest
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, experts_names, fused_moe
 
-
 EXPERTS_BY_ID = {
     "xla": "xla",
     "xla_masked": "xla_masked",
