@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On the GPU host, after `source .gpu/install.sh` (see ../shared/device/stage):
+#   bash scripts/gpu_check.sh suite      the whole test suite, every marker (pytest-xdist, 8 workers)
+#   bash scripts/gpu_check.sh sanitize   compute-sanitizer memcheck and racecheck on the Pallas kernels
+# Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
+set -uo pipefail
+out="${OUT:-/tmp/gpu_check}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+case "${1:-}" in
+  suite)
+    python3 -m pytest -q -n 8 -p xdist --durations=15 2>&1 | tee "$out/pytest.log"
+    ;;
+  sanitize)
+    status=0
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        python3 scripts/sanitize_kernels.py 2>&1 | tee "$out/$tool.log" | tail -25
+      rc=${PIPESTATUS[0]}
+      echo "$tool exit status: $rc" | tee -a "$out/$tool.log"
+      [ "$rc" -eq 0 ] || status=$rc
+    done
+    exit "$status"
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize" >&2
+    exit 2
+    ;;
+esac
