@@ -252,8 +252,13 @@ class ContiguousExperts(Experts):
             wgrad=self.wgrad,
         )
 
-    def activate(self, h: jax.Array, call: ExpertsCall):
-        return activate(h, call, impl=self.act_quant_impl)
+    def activate(self, h: jax.Array, call: ExpertsCall, lay=None):
+        """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
+        (GEMM1 may leave garbage there, and the weight gradient sums over whole segments)."""
+        a, a_scales = activate(h, call, impl=self.act_quant_impl)
+        if lay is not None and a_scales is None:
+            a = jnp.where((lay.expert_ids >= 0)[:, None], a, jnp.zeros((), a.dtype))
+        return a, a_scales
 
     def second_gemm(
         self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
@@ -283,7 +288,7 @@ class ContiguousExperts(Experts):
         )
         lay = self.permute(prepared, weights, expert_map=expert_map, gemms=gemms)
         h = self.first_gemm(lay, weights, gemms=gemms, call=call)
-        a, a_scales = self.activate(h, call)
+        a, a_scales = self.activate(h, call, lay)
         y = self.second_gemm(a, a_scales, lay, weights, gemms=gemms, call=call)
         return self.unpermute(y, lay, prepared, call)
 

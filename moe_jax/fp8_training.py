@@ -15,8 +15,9 @@ Master weights stay in bf16/float32; each step quantizes them on the fly. Per GE
 - Straight-through the quantizers: the gradient of the quantize-dequantize is taken as identity
   (dx uses the quantized w, dw the unquantized x).
 
-Residuals per GEMM: x (2 * K bytes per row in bf16) and w (a parameter); the quantized w is
-recomputed in the backward. Rows of padding are handled as in `moe_jax.grouped_gemm_backward`.
+Residuals per GEMM: x (2 * K bytes per row in bf16) and the FP8 w^T with its scales (E * N * K
+bytes; w and w^T are quantized together in the forward, one read of w). Rows of padding are
+handled as in `moe_jax.grouped_gemm_backward`.
 
 Example:
   >>> from moe_jax import fused_moe
@@ -80,6 +81,8 @@ class _Statics:
     alignment: int
     out_dtype: jnp.dtype
     wgrad: object
+    w_shape: tuple[int, ...]
+    w_dtype: jnp.dtype
 
 
 def fp8_problem(x: jax.Array, w: jax.Array, *, alignment: int | None) -> grouped_gemm.GemmProblem:
@@ -130,6 +133,8 @@ def grouped_gemm_contiguous(
         alignment=alignment,
         out_dtype=jnp.dtype(out_dtype),
         wgrad=wgrad,
+        w_shape=tuple(w.shape),
+        w_dtype=jnp.dtype(w.dtype),
     )
     return _fp8_gemm(statics, x, w, expert_ids, expert_ends)
 
@@ -138,11 +143,37 @@ def _quantize_rows(a: jax.Array, recipe: Fp8Training) -> tuple[jax.Array, jax.Ar
     return act_quant.group_quant(a, group_size=recipe.group_size, impl=recipe.quant_impl)
 
 
+def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """128x128 block FP8 of w [E, N, K] and of its transpose [E, K, N], from one read of w.
+
+    The formula is `quant.per_block_quant_fp8`'s, except that the division is left to XLA (which
+    may multiply by the reciprocal, a last-bit difference that training does not care about):
+    the exact division there materializes full-size float32 scales, several passes over w.
+    N and K must be multiples of 128.
+
+    Returns:
+      (wq float8_e4m3fn[E, N, K], scales float32[E, N/128, K/128], the transpose of wq
+      [E, K, N], the transposed scales [E, K/128, N/128]).
+    """
+    num_experts, n, k = w.shape
+    tiles = w.astype(jnp.float32).reshape(num_experts, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)
+    scales = jnp.maximum(amax, quant.SCALE_EPS) / quant.FP8_MAX
+    q = jnp.clip(tiles / scales, -quant.FP8_MAX, quant.FP8_MAX).astype(quant.FP8_DTYPE)
+    wq = q.reshape(num_experts, n, k)
+    s = scales[:, :, 0, :, 0]
+    return wq, s, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(s, 1, 2)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fp8_gemm(statics, x, w, expert_ids, expert_ends):
+    return _fp8_forward(statics, x, w, expert_ids, expert_ends)[0]
+
+
+def _fp8_forward(statics, x, w, expert_ids, expert_ends):
     xq, xs = _quantize_rows(x, statics.recipe)
-    wq, ws = quant.per_block_quant_fp8(w)
-    return statics.forward.contiguous(
+    wq, ws, wtq, wts = quantize_blocks(w)
+    y = statics.forward.contiguous(
         xq,
         wq,
         expert_ids,
@@ -152,19 +183,21 @@ def _fp8_gemm(statics, x, w, expert_ids, expert_ends):
         alignment=statics.alignment,
         out_dtype=statics.out_dtype,
     )
+    return y, (wtq, wts)
 
 
 def _fp8_gemm_fwd(statics, x, w, expert_ids, expert_ends):
-    return _fp8_gemm(statics, x, w, expert_ids, expert_ends), (x, w, expert_ids, expert_ends)
+    y, (wtq, wts) = _fp8_forward(statics, x, w, expert_ids, expert_ends)
+    return y, (x, wtq, wts, expert_ids, expert_ends)
 
 
 def _fp8_gemm_bwd(statics, residuals, g):
-    x, w, expert_ids, expert_ends = residuals
+    x, wtq, wts, expert_ids, expert_ends = residuals
+    w_shape, w_dtype = statics.w_shape, statics.w_dtype
     g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(jnp.bfloat16)
     gq, gs = _quantize_rows(g, statics.recipe)
-    wtq, wts = quant.per_block_quant_fp8(jnp.swapaxes(w, 1, 2))
     problem = grouped_gemm_backward.transposed_problem(
-        fp8_problem(x, w, alignment=statics.alignment)
+        fp8_problem(x, jax.ShapeDtypeStruct(w_shape, w_dtype), alignment=statics.alignment)
     )
     dgrad = grouped_gemm_backward.select_dgrad(statics.forward, problem)
     dx = dgrad.contiguous(
@@ -177,14 +210,14 @@ def _fp8_gemm_bwd(statics, residuals, g):
         alignment=statics.alignment,
         out_dtype=x.dtype,
     )
-    dw = grouped_gemm_backward.grouped_wgrad(
+    dw = grouped_gemm_backward.grouped_wgrad_zero_padded(
         g,
         x.astype(jnp.bfloat16),
         expert_ids,
         expert_ends,
-        num_experts=w.shape[0],
+        num_experts=w_shape[0],
         alignment=statics.alignment,
-        out_dtype=w.dtype,
+        out_dtype=w_dtype,
         impl=statics.wgrad,
     )
     return dx, dw, None, None

@@ -13,8 +13,11 @@ all of them differentiable the same way, for `y[row] = x[row] @ w[expert(row)].T
   `WGRADS` registry (contiguous layout); the masked layout's wgrad is a dense batched product.
 
 Rows of padding (expert id -1, or past a masked expert's count) have unspecified outputs, so their
-cotangents are dropped and their inputs never reach a weight gradient: backends may leave garbage
-(even NaN) there. dx on padding rows is unspecified too; the permute's backward never reads it.
+cotangents are dropped: backends may leave garbage (even NaN) there. On the contiguous layout the
+inputs' padding rows must be zero, as the layout's permuted rows are and as `ContiguousExperts`
+makes the activation's (a masking pass here would cost one more read and write of x); the
+masked layout's wgrad masks x itself. dx on padding rows is unspecified; the permute's backward
+never reads it.
 
 Residuals: x and w only (w is a parameter; x is the permuted input or the activation, which the
 caller keeps anyway): 2 * K bytes per row for bf16 x. Nothing [M, N]-sized is saved.
@@ -25,7 +28,8 @@ through them raises, naming the training recipe (`moe_jax.fp8_training`).
 WGRADS implementations: "xla" (a scan over alignment-row blocks accumulating into dw: no E-times
 dense product, one [N, K] block product live at a time; correct everywhere, slow on GPUs) and
 "torch" (`torch._grouped_mm` 2-D x 2-D with `offs`, in `moe_jax.interop.torch_gemm`; its CPU twin
-runs in CI). "auto": "torch" then "xla" on a GPU, "xla" elsewhere.
+runs in CI), "mosaic" (JAX's Mosaic GPU `transposed_ragged_dot`, Hopper; named only). "auto":
+"torch" then "xla" on a GPU, "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def _wgrad_preference(problem: grouped_gemm.GemmProblem) -> tuple[str, ...]:
 WGRADS: Registry = Registry(
     "grouped wgrad",
     preference=_wgrad_preference,
-    modules={"torch": "moe_jax.interop.torch_gemm"},
+    modules={"torch": "moe_jax.interop.torch_gemm", "mosaic": "moe_jax.kernels.mosaic_wgrad"},
 )
 
 
@@ -158,11 +162,27 @@ def grouped_wgrad(
     `impl`: "auto", "xla", "torch" or an implementation object (`WGRADS`). Padding rows (id -1)
     may hold anything: they are zeroed here before any implementation sees them.
     """
-    problem = wgrad_problem(dy, x, num_experts=num_experts, alignment=alignment)
-    chosen = WGRADS.select(impl, problem)
     is_valid = (expert_ids >= 0)[:, None]
     dy = jnp.where(is_valid, dy, jnp.zeros((), dy.dtype))
     x = jnp.where(is_valid, x, jnp.zeros((), x.dtype))
+    return grouped_wgrad_zero_padded(
+        dy,
+        x,
+        expert_ids,
+        expert_ends,
+        num_experts=num_experts,
+        alignment=alignment,
+        out_dtype=out_dtype,
+        impl=impl,
+    )
+
+
+def grouped_wgrad_zero_padded(
+    dy, x, expert_ids, expert_ends, *, num_experts, alignment, out_dtype, impl
+):
+    """`grouped_wgrad` for operands whose padding rows are already zero (no masking pass)."""
+    problem = wgrad_problem(dy, x, num_experts=num_experts, alignment=alignment)
+    chosen = WGRADS.select(impl, problem)
     return chosen(
         dy,
         x,
@@ -287,7 +307,7 @@ def _contiguous_bwd(statics, residuals, g):
     dx = dgrad.contiguous_dgrad(
         g, w, expert_ids, expert_ends, alignment=statics.alignment, out_dtype=x.dtype
     )
-    dw = grouped_wgrad(
+    dw = grouped_wgrad_zero_padded(
         g,
         x,
         expert_ids,

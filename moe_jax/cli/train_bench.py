@@ -10,6 +10,7 @@ Frobenius error of each gradient against it.
 Variants:
   auto, torch, deep_gemm, xla   fused_moe(experts=...) ("xla": every stage in XLA, wgrad too)
   deep_gemm_nt_dgrad            deep_gemm with the dgrad as an NT GEMM against swapaxes(w)
+  deep_gemm_mosaic_wgrad        deep_gemm with JAX's Mosaic GPU wgrad (transposed_ragged_dot)
   fp8_recipe                    ContiguousExperts(recipe=Fp8Training()) on the bf16 weights
   torch_titan                   torch: argsort, groups padded to 16 rows, two torch._grouped_mm,
                                 autograd (torchtitan's MoE); GPU only
@@ -34,7 +35,16 @@ from moe_jax.experts import ContiguousExperts
 from moe_jax.fp8_training import Fp8Training
 from moe_jax.fused_moe import fused_moe
 
-VARIANTS = ("auto", "torch", "deep_gemm", "deep_gemm_nt_dgrad", "xla", "fp8_recipe", "torch_titan")
+VARIANTS = (
+    "auto",
+    "torch",
+    "deep_gemm",
+    "deep_gemm_nt_dgrad",
+    "deep_gemm_mosaic_wgrad",
+    "xla",
+    "fp8_recipe",
+    "torch_titan",
+)
 GRAD_NAMES = ("x", "w1", "w2", "topk_weights")
 
 
@@ -44,6 +54,8 @@ def experts_for(name: str):
         return ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla", wgrad="xla")
     if name == "fp8_recipe":
         return ContiguousExperts(recipe=Fp8Training())
+    if name == "deep_gemm_mosaic_wgrad":
+        return ContiguousExperts(gemm="deep_gemm", wgrad="mosaic")
     if name == "deep_gemm_nt_dgrad":
         from moe_jax import grouped_gemm
         from moe_jax.interop.deep_gemm import DeepGemm
