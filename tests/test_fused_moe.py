@@ -327,6 +327,24 @@ def test_decode_size_gpu_experts_match_oracle(experts, num_tokens):
     assert np.linalg.norm(out - ref) <= 2e-2 * np.linalg.norm(ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.default_matmul_precision
+def test_float32_follows_default_matmul_precision_on_gpu():
+    """float32 layers run in TF32 by default on the GPU (about 5e-4 relative error, documented
+    in the README) and in full float32 under jax.default_matmul_precision("highest")."""
+    problem = Problem("T64_H256_I128_E8_k2", 64, 256, 128, 8, 2)
+    inputs = make_inputs(problem, "float32", np.random.default_rng(77))
+    ref = expected(inputs)
+
+    def rel_error(out):
+        return np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+
+    default = rel_error(run(inputs, jit=True, experts="xla"))
+    with jax.default_matmul_precision("highest"):
+        highest = rel_error(run(inputs, jit=True, experts="xla"))
+    assert highest < 1e-5 < 1e-4 < default < 5e-3, (default, highest)
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 
