@@ -8,10 +8,14 @@
 Implementations, chosen by `impl` through `moe_jax.registry`: "xla" (`moe_jax.quant` and
 `moe_jax.activation`, everywhere), "pallas" (`moe_jax.kernels.act_quant`, NVIDIA GPUs; the
 compiled act + quant kernel lowers silu only), "pallas_interpret" (CPU tests), and "auto"
-("pallas" on a GPU where it runs, else "xla").
+("pallas" on a GPU where it runs, else "xla"). Neither op is differentiable (they serve FP8
+inference weights; the FP8 training recipe quantizes inside its GEMMs' VJPs): differentiating
+one raises a TypeError that says how to train.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +49,34 @@ ACT_QUANTS = Registry(
     preference=pallas_then_xla,
     modules={"pallas": _KERNELS, "pallas_interpret": _KERNELS},
 )
+# Quantization to FP8 feeds only the float8_e4m3fn expert weights path (the FP8 training recipe
+# quantizes inside its own GEMM VJPs), so the ops are not differentiable: JAX would otherwise try
+# to differentiate the Pallas kernels' bodies (inline PTX has no derivative rule).
+NO_GRADIENT_MESSAGE = (
+    "FP8 activation quantization has no gradient: gradients through float8_e4m3fn expert "
+    "weights are not defined (they are an inference checkpoint); train float master weights "
+    "(bf16/float32), optionally with ContiguousExperts(recipe=moe_jax.fp8_training.Fp8Training())"
+)
+
+
+def _without_gradient(fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]]):
+    """`fn` as a function whose differentiation raises TypeError(NO_GRADIENT_MESSAGE)."""
+
+    @jax.custom_vjp
+    def call(x):
+        return fn(x)
+
+    def forward(x):
+        return fn(x), None
+
+    def backward(residuals, cotangents):
+        del residuals, cotangents
+        raise TypeError(NO_GRADIENT_MESSAGE)
+
+    call.defvjp(forward, backward)
+    return call
+
+
 GROUP_QUANTS.register(FunctionImpl("xla", group_quant_reference))
 ACT_QUANTS.register(FunctionImpl("xla", act_and_quant_reference))
 
@@ -68,7 +100,8 @@ def group_quant(
       2.0
     """
     problem = OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(x.dtype).name)
-    return GROUP_QUANTS.select(impl, problem)(x, group_size=group_size)
+    chosen = GROUP_QUANTS.select(impl, problem)
+    return _without_gradient(lambda v: chosen(v, group_size=group_size))(x)
 
 
 def act_and_quant(
@@ -85,8 +118,12 @@ def act_and_quant(
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
+
+    Raises:
+      TypeError: when differentiated (see NO_GRADIENT_MESSAGE).
     """
     problem = OpProblem(
         platform=jax.default_backend(), dtype=jnp.dtype(h.dtype).name, activation=activation
     )
-    return ACT_QUANTS.select(impl, problem)(h, activation=activation, group_size=group_size)
+    chosen = ACT_QUANTS.select(impl, problem)
+    return _without_gradient(lambda v: chosen(v, activation=activation, group_size=group_size))(h)
