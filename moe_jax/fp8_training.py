@@ -76,13 +76,15 @@ class Fp8Training:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Statics:
+    """The hashable, static half of one FP8 GEMM: dtypes as names, shapes as tuples."""
+
     forward: grouped_gemm.GroupedGemm
     recipe: Fp8Training
     alignment: int
-    out_dtype: jnp.dtype
+    out_dtype: str
     wgrad: object
     w_shape: tuple[int, ...]
-    w_dtype: jnp.dtype
+    w_dtype: str
 
 
 def fp8_problem(x: jax.Array, w: jax.Array, *, alignment: int | None) -> grouped_gemm.GemmProblem:
@@ -131,12 +133,12 @@ def grouped_gemm_contiguous(
         forward=backend,
         recipe=recipe,
         alignment=alignment,
-        out_dtype=jnp.dtype(out_dtype),
+        out_dtype=jnp.dtype(out_dtype).name,
         wgrad=wgrad,
         w_shape=tuple(w.shape),
-        w_dtype=jnp.dtype(w.dtype),
+        w_dtype=jnp.dtype(w.dtype).name,
     )
-    return _fp8_gemm(statics, x, w, expert_ids, expert_ends)
+    return _fp8_gemm(statics)(x, w, expert_ids, expert_ends)
 
 
 def _quantize_rows(a: jax.Array, recipe: Fp8Training) -> tuple[jax.Array, jax.Array]:
@@ -165,9 +167,28 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.
     return wq, s, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(s, 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_gemm(statics, x, w, expert_ids, expert_ends):
-    return _fp8_forward(statics, x, w, expert_ids, expert_ends)[0]
+@functools.cache
+def _fp8_gemm(statics: _Statics):
+    """The recipe's GEMM as a `jax.custom_vjp` of (x, w, expert_ids, expert_ends), one per statics.
+
+    The statics are closed over rather than passed as `nondiff_argnums`: only arrays cross the
+    custom_vjp boundary, which every JAX version handles alike (jax 0.11 rejected this call with
+    "Argument 'bfloat16' of type <class 'str'> is not a valid JAX type" under `nondiff_argnums`).
+    """
+
+    @jax.custom_vjp
+    def gemm(x, w, expert_ids, expert_ends):
+        return _fp8_forward(statics, x, w, expert_ids, expert_ends)[0]
+
+    def fwd(x, w, expert_ids, expert_ends):
+        y, (wtq, wts) = _fp8_forward(statics, x, w, expert_ids, expert_ends)
+        return y, (x, wtq, wts, expert_ids, expert_ends)
+
+    def bwd(residuals, g):
+        return _fp8_backward(statics, residuals, g)
+
+    gemm.defvjp(fwd, bwd)
+    return gemm
 
 
 def _fp8_forward(statics, x, w, expert_ids, expert_ends):
@@ -181,19 +202,15 @@ def _fp8_forward(statics, x, w, expert_ids, expert_ends):
         x_scales=xs,
         w_scales=ws,
         alignment=statics.alignment,
-        out_dtype=statics.out_dtype,
+        out_dtype=jnp.dtype(statics.out_dtype),
     )
     return y, (wtq, wts)
 
 
-def _fp8_gemm_fwd(statics, x, w, expert_ids, expert_ends):
-    y, (wtq, wts) = _fp8_forward(statics, x, w, expert_ids, expert_ends)
-    return y, (x, wtq, wts, expert_ids, expert_ends)
-
-
-def _fp8_gemm_bwd(statics, residuals, g):
+def _fp8_backward(statics, residuals, g):
+    """(dx, dw, None, None): straight-through FP8 dgrad and bf16 wgrad (module docstring)."""
     x, wtq, wts, expert_ids, expert_ends = residuals
-    w_shape, w_dtype = statics.w_shape, statics.w_dtype
+    w_shape, w_dtype = statics.w_shape, jnp.dtype(statics.w_dtype)
     g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(jnp.bfloat16)
     gq, gs = _quantize_rows(g, statics.recipe)
     problem = grouped_gemm_backward.transposed_problem(
@@ -221,6 +238,3 @@ def _fp8_gemm_bwd(statics, residuals, g):
         impl=statics.wgrad,
     )
     return dx, dw, None, None
-
-
-_fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)

@@ -20,6 +20,23 @@ from moe_jax.interop import deep_ep_layouts as dl
 
 R, E, T_RANK, K, H, INTER = 4, 8, 3, 3, 128, 128
 E_LOCAL = E // R
+# FP8 comparisons follow tests/test_fused_moe.py's stated policy: a different float32 summation
+# order in GEMM1 (here: masked vs contiguous layout, or another platform's XLA GEMM) can flip one
+# bf16 intermediate by an ulp, and its requantization moves one FP8 code by 6%, shifting that
+# token's whole row by up to ~5e-2. At most FP8_FLIP_ROWS rows may exceed FP8_TOL, and every
+# element stays within FP8_LOOSE_TOL.
+FP8_TOL = dict(rtol=3e-2, atol=3e-2)
+FP8_FLIP_ROWS = 1
+FP8_LOOSE_TOL = dict(rtol=6e-2, atol=6e-2)
+
+
+def assert_fp8_close(got: np.ndarray, want: np.ndarray) -> None:
+    """[T, H] FP8-path outputs against a reference under the FP8 flip policy above."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    is_bad = np.abs(got - want) > FP8_TOL["atol"] + FP8_TOL["rtol"] * np.abs(want)
+    bad_rows = np.flatnonzero(is_bad.any(axis=-1))
+    assert len(bad_rows) <= FP8_FLIP_ROWS, f"rows {bad_rows} exceed {FP8_TOL}"
+    np.testing.assert_allclose(got, want, **FP8_LOOSE_TOL)
 
 
 def make_problem(fp8: bool, seed: int = 0):
@@ -133,7 +150,10 @@ def test_ll_masked_layout_scales_and_combine_equal_fused_moe(fp8):
             assert not np.isnan(np.asarray(y[e, row], np.float32)).any()
             total[t] += float(weights[t, j]) * np.asarray(y[e, row], np.float64)
     expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
-    np.testing.assert_allclose(total, np.asarray(expected, np.float64), rtol=3e-2, atol=3e-2)
+    if fp8:
+        assert_fp8_close(total, expected)
+    else:
+        np.testing.assert_allclose(total, np.asarray(expected, np.float64), rtol=3e-2, atol=3e-2)
 
 
 def test_ht_id_rewrite_round_trips_through_expert_map():
@@ -232,10 +252,11 @@ def test_ht_handle_shapes_name_every_part():
 
 
 class FakeLowLatencyBuffer:
-    """DeepEP V1's `low_latency_dispatch`/`low_latency_combine` on one rank (R=1), in torch on
-    the CPU, written from the documented contract: [E, T_max, H] receive rows (one per selected
-    expert, stale rows NaN), FP8 scales allocated [E, H/128, T_max] and returned transposed,
-    int64 ids, a (src_info, layout_range, T_max, H, E) handle, and a weighted combine into `out`.
+    """DeepEP V1's `low_latency_dispatch`/`low_latency_combine` on one rank (R=1), in torch,
+    written from the documented contract: [E, T_max, H] receive rows (one per selected expert,
+    stale rows NaN), FP8 scales allocated [E, H/128, T_max] and returned transposed, int64 ids, a
+    (src_info, layout_range, T_max, H, E) handle, and a weighted combine into `out`. It computes
+    on the CPU and returns tensors on x's device (a GPU where JAX runs on one, as DeepEP does).
     """
 
     def __init__(self, torch):
@@ -247,6 +268,7 @@ class FakeLowLatencyBuffer:
         self.calls.append("dispatch")
         if topk_idx.dtype != torch.int64 or x.dtype != torch.bfloat16:
             raise TypeError(f"{topk_idx.dtype=}, {x.dtype=}: DeepEP wants int64 ids, bf16 x")
+        device, x, topk_idx = x.device, x.cpu(), topk_idx.cpu()
         hidden = x.shape[1]
         rows = torch.full((num_experts, num_max, hidden), float("nan"), dtype=torch.float32)
         src_info = torch.full((num_experts, num_max), -7, dtype=torch.int32)
@@ -258,14 +280,15 @@ class FakeLowLatencyBuffer:
                     src_info[e, count[e]] = t
                     count[e] += 1
         layout_range = count.to(torch.int64)[:, None]  # opaque to the adapter
+        src_info, layout_range, count = (a.to(device) for a in (src_info, layout_range, count))
         handle = (src_info, layout_range, num_max, hidden, num_experts)
         if not use_fp8:
-            return rows.to(torch.bfloat16), count, handle, None, None
+            return rows.to(device, torch.bfloat16), count, handle, None, None
         groups = rows.reshape(num_experts, num_max, hidden // 128, 128)
         amax = groups.abs().amax(-1).clamp(min=1e-4)
         q = (groups * (448.0 / amax[..., None])).reshape(rows.shape).to(torch.float8_e4m3fn)
-        storage = (amax / 448.0).transpose(1, 2).contiguous()  # [E, G, T_max]
-        return (q, storage.transpose(1, 2)), count, handle, None, None
+        storage = (amax / 448.0).transpose(1, 2).contiguous().to(device)  # [E, G, T_max]
+        return (q.to(device), storage.transpose(1, 2)), count, handle, None, None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, *, out, **_):
         torch = self.torch
@@ -273,6 +296,8 @@ class FakeLowLatencyBuffer:
         src_info, layout_range, _, _, _ = handle
         if layout_range.dtype != torch.int64 or topk_idx.dtype != torch.int64:
             raise TypeError("the handle's layout_range and the ids must be int64")
+        x, topk_idx, topk_weights = x.cpu(), topk_idx.cpu(), topk_weights.cpu()
+        src_info, layout_range = src_info.cpu(), layout_range.cpu()
         acc = torch.zeros(out.shape, dtype=torch.float32)
         for e in range(x.shape[0]):
             for i in range(int(layout_range[e, 0])):
@@ -323,6 +348,9 @@ def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatc
     out = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))(
         x, expert_weights, weights, jnp.asarray(ids, jnp.int32)
     )
+    # The callbacks run when XLA executes the program, which is asynchronous to this thread (on
+    # a GPU the combine had not run yet when the call returned): wait for the result first.
+    out = jax.block_until_ready(out)
     assert buffer.calls == ["dispatch", "combine"]
     expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)

@@ -90,13 +90,18 @@ def _layer(experts, *, seed=0):
 
 def test_flax_layer_grad_matches_xla_masked_and_reaches_the_router():
     """nnx.grad through the contiguous torch path equals the one through the masked XLA path
-    (different layouts, GEMMs and backward code), and the router kernel gets a gradient."""
+    (different layouts, GEMMs and backward code), and the router kernel gets a gradient.
+
+    torch's grouped GEMM takes float32 on the CPU only (bf16/FP8 on a GPU): off the CPU the
+    contiguous side runs the XLA GEMM and wgrad (still a different layout and backward code).
+    """
     x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 16)), jnp.float32)
 
     def loss(layer):
         return jnp.mean(layer(x) ** 2)
 
-    fast = nnx.grad(loss)(_layer(ContiguousExperts(gemm="torch", wgrad="torch", alignment=8)))
+    gemm = "torch" if jax.default_backend() == "cpu" else "xla"
+    fast = nnx.grad(loss)(_layer(ContiguousExperts(gemm=gemm, wgrad=gemm, alignment=8)))
     masked = nnx.grad(loss)(_layer("xla_masked"))
     for name in ("router_kernel", "w1", "w2"):
         got, want = np.asarray(fast[name][...]), np.asarray(masked[name][...])
