@@ -83,10 +83,19 @@ def oracle_moe(x, w1, w2, weights, ids, keep):
     return out
 
 
+def on_the_ranks_platform():
+    """The 8 ranks run on CPU devices (the subprocess), so their expectations are computed on
+    the CPU too: the comparison checks the EP logic, not one platform's float32/FP8 rounding
+    against another's (on a GPU host the default device is a GPU)."""
+    return jax.default_device(jax.devices("cpu")[0])
+
+
 def expected_with_fused_moe(case, inputs, keep):
-    x, w1, w2, weights, ids, kwargs = epm.layer_args(case, inputs)
-    ids = jnp.where(jnp.asarray(keep), ids, -1)  # the dropped pairs removed
-    return np.asarray(fused_moe(x, w1, w2, weights, ids, experts="xla", **kwargs), np.float32)
+    with on_the_ranks_platform():
+        x, w1, w2, weights, ids, kwargs = epm.layer_args(case, inputs)
+        ids = jnp.where(jnp.asarray(keep), ids, -1)  # the dropped pairs removed
+        out = fused_moe(x, w1, w2, weights, ids, experts="xla", **kwargs)
+        return np.asarray(out, np.float32)
 
 
 @pytest.mark.parametrize("name", list(epm.CASES))
@@ -124,22 +133,23 @@ def test_ep_is_the_sum_of_vllm_expert_map_partial_sums(ep_results):
     # vLLM's EP: rank r computes fused_moe with its expert_map (others' experts contribute 0);
     # the token's output is the sum over ranks.
     case = epm.CASES["skewed"]
-    x, w1, w2, weights, ids, _ = epm.layer_args(case, epm.make_inputs(case))
     per_rank = case.num_experts // epm.NUM_RANKS
     total = 0
-    for r in range(epm.NUM_RANKS):
-        own = slice(r * per_rank, (r + 1) * per_rank)
-        total = total + np.asarray(
-            fused_moe(
-                x,
-                w1[own],
-                w2[own],
-                weights,
-                ids,
-                experts="xla",
-                expert_map=expert_map_for_rank(case.num_experts, epm.NUM_RANKS, r),
+    with on_the_ranks_platform():
+        x, w1, w2, weights, ids, _ = epm.layer_args(case, epm.make_inputs(case))
+        for r in range(epm.NUM_RANKS):
+            own = slice(r * per_rank, (r + 1) * per_rank)
+            total = total + np.asarray(
+                fused_moe(
+                    x,
+                    w1[own],
+                    w2[own],
+                    weights,
+                    ids,
+                    experts="xla",
+                    expert_map=expert_map_for_rank(case.num_experts, epm.NUM_RANKS, r),
+                )
             )
-        )
     np.testing.assert_allclose(ep_results["skewed/out"], total, rtol=1e-5, atol=1e-5)
 
 
