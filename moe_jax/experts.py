@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax import act_quant, fp8_training, grouped_gemm, layouts, permute, quant
 from moe_jax._pytree import pytree_dataclass
@@ -135,19 +136,39 @@ def intermediate_dtype(x_dtype, call: ExpertsCall):
 
 
 def activate(
-    h: jax.Array, call: ExpertsCall, *, impl: str = "auto"
+    h: jax.Array,
+    call: ExpertsCall,
+    *,
+    impl: str = "auto",
+    row_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """act(gate) * up of GEMM1's output [M, 2I], requantized for GEMM2 on the FP8 path.
+
+    Args:
+      row_mask: optional bool[M]; on the float path rows where it is False come out as zeros
+        (GEMM1 may leave garbage on padding rows, and the weight gradient sums whole segments).
+        The FP8 path (inference) leaves padding rows as the kernel writes them: GEMM2 skips them.
 
     Returns:
       ([M, I] in h's dtype, None) without quantization; (float8_e4m3fn[M, I], float32[M, I/128])
       on the FP8 path, through `moe_jax.act_quant.act_and_quant(impl=impl)`.
     """
     if call.quant_config is None:
-        return act_and_mul(h, call.activation), None
+        return act_and_mul(h, call.activation, row_mask=row_mask), None
     return act_quant.act_and_quant(
         h, activation=call.activation, group_size=call.quant_config.group_size, impl=impl
     )
+
+
+RESIDUAL_LAYOUT = "moe_layout"
+RESIDUAL_GEMM1 = "moe_gemm1_out"
+RESIDUAL_GEMM2 = "moe_gemm2_out"
+RECOMPUTE_POLICIES: dict[str, tuple[str, ...] | None] = {
+    "none": None,  # no jax.checkpoint: every residual is kept
+    "activation": (RESIDUAL_LAYOUT, RESIDUAL_GEMM1, RESIDUAL_GEMM2),
+    "gemm2": (RESIDUAL_LAYOUT, RESIDUAL_GEMM1),
+    "all": (),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,6 +189,16 @@ class ContiguousExperts(Experts):
       recipe: None, or `moe_jax.fp8_training.Fp8Training()` to run both GEMMs in FP8 on float
         master weights quantized on the fly, with DeepSeek-V3's backward (H and I multiples of
         128; FP8 weights refused).
+      recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
+        Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
+        at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
+        "none" 4H + 6I (rows [M, H], GEMM1's output [M, 2I], the activation [M, I], GEMM2's
+        output [M, H] for the router-weight gradient); "activation" 4H + 4I (act(gate) * up is
+        recomputed from GEMM1's output); "gemm2" 2H + 4I (also GEMM2's forward is run again);
+        "all" nothing inside the layer (the whole forward runs again in the backward). The
+        FP8 recipe keeps FP8 rows and scales instead of bf16 rows. The same names
+        (`RESIDUAL_LAYOUT`, `RESIDUAL_GEMM1`, `RESIDUAL_GEMM2`) serve your own
+        `jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(...))`.
     """
 
     gemm: str | grouped_gemm.GroupedGemm = "auto"
@@ -176,6 +207,14 @@ class ContiguousExperts(Experts):
     alignment: int | None = None
     wgrad: str = "auto"
     recipe: fp8_training.Fp8Training | None = None
+    recompute: str = "none"
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(
+                f"ContiguousExperts(recompute={self.recompute!r}): choose from "
+                f"{sorted(RECOMPUTE_POLICIES)}"
+            )
 
     def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
         """`GemmPair` for T tokens of top-k routing (the FP8 problem under `recipe`)."""
@@ -255,10 +294,8 @@ class ContiguousExperts(Experts):
     def activate(self, h: jax.Array, call: ExpertsCall, lay=None):
         """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
         (GEMM1 may leave garbage there, and the weight gradient sums over whole segments)."""
-        a, a_scales = activate(h, call, impl=self.act_quant_impl)
-        if lay is not None and a_scales is None:
-            a = jnp.where((lay.expert_ids >= 0)[:, None], a, jnp.zeros((), a.dtype))
-        return a, a_scales
+        row_mask = None if lay is None else lay.expert_ids >= 0
+        return activate(h, call, impl=self.act_quant_impl, row_mask=row_mask)
 
     def second_gemm(
         self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
@@ -286,11 +323,23 @@ class ContiguousExperts(Experts):
         gemms = self.select_gemms(
             weights, num_tokens=num_tokens, topk=topk, x_dtype=prepared.x.dtype
         )
-        lay = self.permute(prepared, weights, expert_map=expert_map, gemms=gemms)
-        h = self.first_gemm(lay, weights, gemms=gemms, call=call)
-        a, a_scales = self.activate(h, call, lay)
-        y = self.second_gemm(a, a_scales, lay, weights, gemms=gemms, call=call)
-        return self.unpermute(y, lay, prepared, call)
+
+        def forward(prepared, weights, expert_map):
+            lay = self.permute(prepared, weights, expert_map=expert_map, gemms=gemms)
+            lay = jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_LAYOUT), lay)
+            h = checkpoint_name(
+                self.first_gemm(lay, weights, gemms=gemms, call=call), RESIDUAL_GEMM1
+            )
+            a, a_scales = self.activate(h, call, lay)
+            y = self.second_gemm(a, a_scales, lay, weights, gemms=gemms, call=call)
+            y = checkpoint_name(y, RESIDUAL_GEMM2)
+            return self.unpermute(y, lay, prepared, call)
+
+        saved = RECOMPUTE_POLICIES[self.recompute]
+        if saved is not None:
+            policy = jax.checkpoint_policies.save_only_these_names(*saved)
+            forward = jax.checkpoint(forward, policy=policy)
+        return forward(prepared, weights, expert_map)
 
 
 def masked_mlp(

@@ -13,6 +13,11 @@ reason (on the CPU a refusal is a failure).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +25,7 @@ import oracles
 import pytest
 
 from moe_jax import fused_moe, grouped_gemm_backward, layouts, permute, quant
+from moe_jax.activation import act_and_mul
 from moe_jax.experts import ContiguousExperts, MaskedExperts
 from moe_jax.registry import NoImplementationError
 
@@ -273,6 +279,100 @@ def test_wgrad_matches_loop(impl):
         if e >= 0:
             want[e] += np.outer(dy[r], x[r])
     np.testing.assert_allclose(np.asarray(dw), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_act_and_mul_vjp_matches_float64(activation, dtype):
+    """The activation's custom VJP (recomputed from x, padding rows masked) against float64
+    autodiff of the plain formula; bf16 holds to its rounding of the result."""
+    rng = np.random.default_rng(12)
+    x = np.asarray(jnp.asarray(rng.normal(size=(7, 2 * 24)) * 3, dtype), np.float64)
+    g = rng.normal(size=(7, 24))
+    row_mask = np.array([True, True, False, True, False, True, True])
+
+    def loss(x):
+        a = act_and_mul(x, activation, row_mask=jnp.asarray(row_mask))
+        return jnp.sum(a.astype(jnp.float32) * g)
+
+    got = np.asarray(jax.grad(loss)(jnp.asarray(x, dtype)).astype(jnp.float32), np.float64)
+    with jax.enable_x64(True):
+
+        def reference(x):
+            gate, up = x[:, :24], x[:, 24:]
+            if activation == "silu":
+                act = gate / (1.0 + jnp.exp(-gate))
+            else:
+                act = gate * 0.5 * (1.0 + jax.scipy.special.erf(gate / np.sqrt(2.0)))
+            return jnp.sum(jnp.where(row_mask[:, None], act * up, 0.0) * g)
+
+        want = np.asarray(jax.grad(reference)(jnp.asarray(x, jnp.float64)))
+    assert np.all(got[~row_mask] == 0.0)
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert error <= {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}[dtype], error
+
+
+RECOMPUTE = ["activation", "gemm2", "all"]
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("gemm", ["xla", "torch"])
+def test_recompute_matches_float64(gemm, recompute):
+    """Every recomputation policy gives the float64 backward, on awkward routing and chunks."""
+    experts = ContiguousExperts(gemm=gemm, wgrad=gemm, alignment=ALIGN, recompute=recompute)
+    for case in ("duplicates_and_invalid_ids", "chunked"):
+        spec = CASES[case]
+        ids = np.asarray(spec["ids"])
+        x, w1, w2, topk_weights, probe = _inputs(20 + RECOMPUTE.index(recompute), jnp.float32)
+        kwargs = {"chunk_size": spec["chunk_size"]} if "chunk_size" in spec else {}
+        grads = _grads(
+            experts, jnp.float32, x, w1, w2, topk_weights, probe, jnp.asarray(ids), **kwargs
+        )
+        expected = _reference_grads(x, w1, w2, topk_weights, probe, oracles.local_ids(ids, E))
+        _check(grads, expected, jnp.float32)
+
+
+_FLOAT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}  # dtypes as jax prints them
+_RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\] (.*)$")
+
+
+def _saved_float_bytes(experts, x, w1, w2, topk_weights, ids) -> int:
+    """Bytes of the float residuals jax keeps for the backward, weights and inputs excluded."""
+
+    def loss(x, w1, w2, topk_weights):
+        return fused_moe(x, w1, w2, topk_weights, ids, experts=experts).astype(jnp.float32).sum()
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(loss, x, w1, w2, topk_weights)
+    total = 0
+    for line in printed.getvalue().splitlines():
+        dtype, shape, origin = _RESIDUAL.match(line).groups()
+        if "argument" in origin or dtype not in _FLOAT_BYTES:
+            continue
+        total += math.prod(int(d) for d in shape.split(",") if d) * _FLOAT_BYTES[dtype]
+    return total
+
+
+@pytest.mark.parametrize(
+    "recompute, per_row",  # bytes per layout row (ContiguousExperts' docstring)
+    [("none", (4, 6)), ("activation", (4, 4)), ("gemm2", (2, 4)), ("all", (0, 0))],
+)
+def test_recompute_saved_bytes(recompute, per_row):
+    """The saved float residuals are what `ContiguousExperts.recompute` documents: per row,
+    per_row[0] * H + per_row[1] * I bytes for bf16 tokens."""
+    x, w1, w2, topk_weights, _ = _inputs(9, jnp.bfloat16)
+    ids = jnp.asarray(CASES["duplicates_and_invalid_ids"]["ids"])
+    experts = ContiguousExperts(gemm="xla", alignment=ALIGN, recompute=recompute)
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (x, w1, w2)]
+    saved = _saved_float_bytes(experts, *args, jnp.asarray(topk_weights, jnp.float32), ids)
+    rows = layouts.permute_reference(args[0], ids, num_experts=E, alignment=ALIGN).rows.shape[0]
+    assert saved == rows * (per_row[0] * H + per_row[1] * I)
+
+
+def test_recompute_rejects_unknown_policy():
+    with pytest.raises(ValueError, match="recompute='some'.*choose from"):
+        ContiguousExperts(recompute="some")
 
 
 GPU_EXPERTS = ["auto", "torch", "deep_gemm", "mosaic", "pallas", "torch_masked", "deep_gemm_masked"]
