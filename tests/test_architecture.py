@@ -1,0 +1,153 @@
+"""The import graph follows README's "Architecture" layers: a module imports only its own layer
+and the ones below it (1 is the bottom), and every library module is assigned a layer.
+
+Read from the source files with `ast` (nothing is imported), so the rule holds for every module,
+imports inside functions included. Backends are found by fronts through module names in their
+registries (`Registry(modules=...)`), which are strings, not imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FOUNDATIONS, FRONTS, BACKENDS, COMPOSITION, TOOLS = 1, 2, 3, 4, 5
+# Module -> layer, as README's Architecture section lists them. Package `__init__`s only re-export
+# (PACKAGES); a library module imports their submodules, never their re-exported names.
+LAYERS = {
+    **dict.fromkeys(
+        ("registry", "_pytree", "quant", "layouts", "activation", "routing", "reference"),
+        FOUNDATIONS,
+    ),
+    **dict.fromkeys(
+        ("grouped_gemm", "grouped_gemm_backward", "permute", "act_quant", "fp8_training"), FRONTS
+    ),
+    **dict.fromkeys(
+        ("kernels.*", "interop.bridge", "interop.deep_gemm", "interop.torch_gemm"), BACKENDS
+    ),
+    **dict.fromkeys(
+        (
+            "prepare_finalize",
+            "experts",
+            "modular",
+            "fused_moe",
+            "expert_parallel",
+            "ep_api",
+            "distributed",
+            "flax_layer",
+            "hf_config",
+            "hf_checkpoint",
+            "hf_weights",
+            "hf_loading",
+            # DeepEP adapters are PrepareFinalize implementations (they import prepare_finalize
+            # and experts); they live in interop/ because they call torch-hosted DeepEP.
+            "interop.deep_ep",
+            "interop.deep_ep_layouts",
+            "interop.deep_ep_ht",
+            "interop.deep_ep_ll",
+        ),
+        COMPOSITION,
+    ),
+    **dict.fromkeys(("cli.*", "__main__"), TOOLS),
+}
+PACKAGES = ("moe_jax", "moe_jax.kernels", "moe_jax.interop")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in ("kernels", "interop"):  # installed as moe_jax.kernels / moe_jax.interop
+        parts.insert(0, "moe_jax")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {
+    _module_name(p): p for d in ("moe_jax", "kernels", "interop") for p in (ROOT / d).rglob("*.py")
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a library module (None: unassigned); packages have none either."""
+    short = module.removeprefix("moe_jax.")
+    if short in LAYERS:
+        return LAYERS[short]
+    return LAYERS.get(short.split(".")[0] + ".*")
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) for each moe_jax module an import statement reaches; `from a import b`
+    reaches the submodule a.b where one exists, else a itself (a name a re-exports)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.append((node.lineno, full if full in MODULES else node.module))
+    return [(line, m) for line, m in found if m == "moe_jax" or m.startswith("moe_jax.")]
+
+
+def test_every_library_module_has_a_layer():
+    unassigned = [m for m in MODULES if m not in PACKAGES and layer_of(m) is None]
+    assert not unassigned, f"add {unassigned} to LAYERS here and to README's Architecture"
+    assert {"moe_jax.fused_moe", "moe_jax.kernels.permute", "moe_jax.interop.deep_gemm"} <= set(
+        MODULES
+    )
+
+
+LAYERED = sorted(m for m in MODULES if m not in PACKAGES)
+
+
+def violations(module: str, source: str) -> list[str]:
+    """The imports of `module` (given its source) that reach a higher layer or a package."""
+    own = layer_of(module)
+    bad = []
+    for line, target in _imports(ast.parse(source)):
+        if target in PACKAGES:
+            if own != TOOLS:  # tools may use the public package; the library imports submodules
+                bad.append(f"line {line}: names re-exported by {target}")
+        elif (layer_of(target) or 0) > own:
+            bad.append(f"line {line}: {target} (layer {layer_of(target)})")
+    return bad
+
+
+@pytest.mark.parametrize("module", LAYERED)
+def test_module_imports_only_its_layer_and_below(module):
+    bad = violations(module, MODULES[module].read_text())
+    assert not bad, f"{module} (layer {layer_of(module)}) imports a higher layer: {bad}"
+
+
+def test_the_check_sees_violations():
+    source = (
+        "from moe_jax import quant, experts\n"
+        "from moe_jax import fused_moe as fm\n"
+        "from moe_jax import ContiguousExperts\n"
+        "def f():\n"
+        "    import moe_jax.kernels.permute\n"
+    )
+    assert violations("moe_jax.permute", source) == [
+        "line 1: moe_jax.experts (layer 4)",
+        "line 2: moe_jax.fused_moe (layer 4)",
+        "line 3: names re-exported by moe_jax",
+        "line 5: moe_jax.kernels.permute (layer 3)",
+    ]
+    assert violations("moe_jax.cli.demo", source) == []
+
+
+def test_readme_lists_the_layers():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    missing = [
+        name
+        for name in LAYERS
+        if "*" not in name
+        and name != "_pytree"
+        and not re.search(rf"[`/]{re.escape(name.split('.')[-1])}`", section)
+    ]
+    assert not missing, f"README's Architecture section does not place {missing}"
