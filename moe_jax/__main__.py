@@ -1,8 +1,9 @@
 """Command line: `python -m moe_jax demo | bench | info` (also `moe-jax ...` once installed).
 
-The commands live in `moe_jax.cli`, imported only for the command that runs. The per-piece
-benchmarks run as modules: `python -m moe_jax.cli.kernel_bench`, `python -m
-moe_jax.cli.interop_bench`.
+The commands live in `moe_jax.cli`, imported only for the command that runs. `bench` times the
+layer's forward; `bench --decode` decode-size batches; `bench --train` a training step (forward +
+backward) against a torchtitan-style torch step. The per-piece benchmarks run as modules:
+`python -m moe_jax.cli.kernel_bench`, `python -m moe_jax.cli.interop_bench`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="time the whole layer against baselines (shapes A and B on a GPU)"
     )
-    bench.add_argument("--shapes", nargs="+", help="A, B, small (default: A B on GPU, else small)")
-    bench.add_argument("--variants", nargs="+", help="subset of variants (default: all)")
+    bench.add_argument(
+        "--shapes",
+        nargs="+",
+        help="A, B, small (default: A B on GPU, else small; with --train: B on GPU, else small)",
+    )
+    bench.add_argument(
+        "--variants", nargs="+", help="subset of variants (default: all; --train has its own)"
+    )
     bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     bench.add_argument(
         "--breakdown", action="store_true", help="also time each stage of the FP8 forward"
@@ -36,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--tokens", type=int, nargs="+", help="token counts for --decode (default: its own list)"
     )
+    bench.add_argument(
+        "--train",
+        action="store_true",
+        help="time a training step (forward + backward) against torchtitan's torch step instead",
+    )
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--plot", help="also write a PNG bar chart of the times")
     commands.add_parser(
@@ -45,6 +57,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.decode and args.train:
+        print("--decode and --train are separate benchmarks: run one at a time", file=sys.stderr)
+        return 2
+    if args.train:
+        if args.breakdown or args.tokens is not None:
+            print("--breakdown and --tokens do not apply to --train", file=sys.stderr)
+            return 2
+        from moe_jax.cli.train_bench import run_train_bench
+
+        return run_train_bench(
+            shapes=args.shapes,
+            variants=args.variants,
+            iters=args.iters,
+            json_path=args.json,
+            plot_path=args.plot,
+        )
     if args.decode:
         if args.shapes or args.variants or args.breakdown:
             print("--shapes, --variants and --breakdown do not apply to --decode", file=sys.stderr)

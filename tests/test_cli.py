@@ -1,4 +1,4 @@
-"""The command line on the CPU: `python -m moe_jax demo | info | bench` and their wiring."""
+"""The command line on the CPU: `python -m moe_jax demo | info | bench [--decode | --train]`."""
 
 import json
 import sys
@@ -110,11 +110,67 @@ def test_bench_decode_without_its_module_says_so(monkeypatch, capsys):
     assert "needs moe_jax.cli.decode_bench" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_bench_train_times_moe_jax_against_the_torch_step(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    json_path, png_path = tmp_path / "t.json", tmp_path / "t.png"
+    argv = ["bench", "--train", "--variants", "auto", "torch_titan", "--iters", "1"]
+    argv += ["--json", str(json_path), "--plot", str(png_path)]
+    assert main(argv) == 0
+    result = json.loads(json_path.read_text())
+    shape = "small" if jax.default_backend() == "cpu" else "B"
+    assert result["environment"]["backend"] == jax.default_backend()
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"auto", "torch_titan"} and {r["shape"] for r in rows.values()} == {shape}
+    titan = rows["torch_titan"]
+    if "skipped" in titan:  # torch before 2.8 has no CPU torch._grouped_mm
+        assert tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8), titan["skipped"]
+        names = ["auto"]
+    else:
+        assert rows["auto"]["speedup vs torch_titan"] > 0
+        assert titan["speedup vs torch_titan"] == 1.0
+        names = ["auto", "torch_titan"]
+    for name in names:  # bf16 gradients against the float32 reference
+        errors = {k: v for k, v in rows[name].items() if k.startswith("err_d")}
+        assert len(errors) == 4 and all(e < 0.02 for e in errors.values()), (name, errors)
+        assert rows[name]["step ms"] > 0 and rows[name]["fwd ms"] > 0
+    assert png_path.read_bytes()[:4] == b"\x89PNG"
+    captured = capsys.readouterr()
+    assert f"| {shape} | auto |" in captured.out and f"| {shape} | torch_titan |" in captured.out
+    assert f"shape {shape}: T=" in captured.err  # progress while it runs
+
+
+def test_bench_train_calls_the_train_bench(monkeypatch, tmp_path):
+    from moe_jax.cli import train_bench
+
+    calls = []
+    monkeypatch.setattr(train_bench, "run_train_bench", lambda **kw: calls.append(kw) or 0)
+    path, png = str(tmp_path / "t.json"), str(tmp_path / "t.png")
+    argv = ["bench", "--train", "--shapes", "B", "--variants", "auto", "torch_titan"]
+    assert main([*argv, "--iters", "3", "--json", path, "--plot", png]) == 0
+    assert main(["bench", "--train"]) == 0
+    assert calls == [
+        dict(
+            shapes=["B"], variants=["auto", "torch_titan"], iters=3, json_path=path, plot_path=png
+        ),
+        dict(shapes=None, variants=None, iters=20, json_path=None, plot_path=None),
+    ]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["bench", "--tokens", "4"], "--tokens applies to bench --decode only"),
         (["bench", "--decode", "--breakdown"], "do not apply to --decode"),
+        (["bench", "--train", "--breakdown"], "--breakdown and --tokens do not apply to --train"),
+        (["bench", "--train", "--tokens", "4"], "--breakdown and --tokens do not apply to --train"),
+        (["bench", "--train", "--decode"], "--decode and --train are separate benchmarks"),
+        (
+            ["bench", "--train", "--shapes", "Z"],
+            "unknown shape 'Z'; choose from ['A', 'B', 'small']",
+        ),
+        (["bench", "--train", "--variants", "nope"], "unknown variant 'nope'; choose from"),
+        (["bench", "--train", "--iters", "0"], "iters=0 but at least 1"),
     ],
 )
 def test_bench_rejects_options_of_the_other_mode(argv, message, capsys):

@@ -1,5 +1,6 @@
-"""`python -m moe_jax.cli.train_bench`: one MoE training step (forward + backward), moe_jax against
+"""`python -m moe_jax bench --train`: one MoE training step (forward + backward), moe_jax against
 torch's grouped-GEMM training step, each checked against a float32 reference before it is timed.
+(Also `python -m moe_jax.cli.train_bench --shape B`.)
 
 The step is `jax.value_and_grad` of `sum(fused_moe(x, w1, w2, topk_weights, ids) * probe)` with
 respect to x, w1, w2 and topk_weights (the router's gradient path), on `layer_bench`'s random
@@ -13,24 +14,27 @@ Variants:
   deep_gemm_mosaic_wgrad        deep_gemm with JAX's Mosaic GPU wgrad (transposed_ragged_dot)
   fp8_recipe                    ContiguousExperts(recipe=Fp8Training()) on the bf16 weights
   torch_titan                   torch: argsort, groups padded to 16 rows, two torch._grouped_mm,
-                                autograd (torchtitan's MoE); GPU only
+                                autograd (torchtitan's MoE): the baseline. On CUDA when JAX runs on
+                                a GPU, else on the CPU (torch >= 2.8 has a CPU torch._grouped_mm)
 
-Times: "fwd ms" / "step ms" are medians of back-to-back bursts (`moe_jax.cli.timing.time_jax`;
-torch: CUDA events over bursts), "step latency ms" the median of single waited-for steps.
+Times come from `moe_jax.cli.timing.time_calls` for both frameworks: "fwd ms" / "step ms" are
+medians of back-to-back bursts, "step latency ms" the median of single waited-for steps.
+"speedup vs torch_titan" is torch_titan's step ms / the row's step ms, per shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+from collections.abc import Sequence
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax.cli.layer_bench import SHAPES, make_layer
-from moe_jax.cli.timing import rel_error, time_jax
+from moe_jax.cli.timing import rel_error, time_calls, time_jax
 from moe_jax.experts import ContiguousExperts
 from moe_jax.fp8_training import Fp8Training
 from moe_jax.fused_moe import fused_moe
@@ -45,6 +49,7 @@ VARIANTS = (
     "fp8_recipe",
     "torch_titan",
 )
+BASELINE = "torch_titan"
 GRAD_NAMES = ("x", "w1", "w2", "topk_weights")
 
 
@@ -153,45 +158,40 @@ def torch_titan_step(x, w1, w2, topk_weights, topk_ids, probe, *, align: int = 1
     return forward, step
 
 
-def _cuda_median_ms(fn, *, iters: int, burst: int = 10) -> float:
-    import torch
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(3, iters // 2)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(burst):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / burst)
-    return statistics.median(times)
-
-
 def run_torch_titan(args, ref, *, iters: int) -> dict:
-    name = "torch_titan"
+    """The torchtitan-style step on the arrays' device (CUDA tensors on a GPU, else the CPU)."""
+    name = BASELINE
     try:
         import torch
     except ImportError as error:
         return {"variant": name, "skipped": f"needs torch ({error})"}
-    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
-        return {"variant": name, "skipped": "needs a CUDA GPU (torch._grouped_mm on CUDA)"}
-    x, w1, w2, tw, ids, probe = (torch.from_dlpack(a) for a in args)
-    x, w1, w2, tw = (t.clone().requires_grad_(True) for t in (x, w1, w2, tw))
-    forward, step = torch_titan_step(x, w1, w2, tw, ids, probe)
-    _, grads = step()
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not torch.cuda.is_available():
+        return {"variant": name, "skipped": "JAX runs on a GPU but torch has no CUDA"}
+    try:  # torch before 2.8 has no CPU torch._grouped_mm: report why, go on
+        x, w1, w2, tw, ids, probe = (torch.from_dlpack(a) for a in args)
+        x, w1, w2, tw = (t.clone().requires_grad_(True) for t in (x, w1, w2, tw))
+        forward, step = torch_titan_step(x, w1, w2, tw, ids, probe)
+        _, grads = step()
+    except Exception as error:
+        return {"variant": name, "skipped": f"{type(error).__name__}: {error}"[:300]}
     as_jax = [jnp.asarray(g.detach().float().cpu().numpy()) for g in grads]
     row = {"variant": name, **_errors(as_jax, ref)}
+    wait = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)  # CPU: eager
+
+    def timed(fn) -> tuple[float, float]:
+        timing = time_calls(fn, wait=wait, samples=max(3, iters // 2), latency_samples=iters)
+        return timing.streamed_ms, timing.latency_ms
+
     with torch.no_grad():
-        row["fwd ms"] = _cuda_median_ms(forward, iters=iters)
-    row["step ms"] = _cuda_median_ms(step, iters=iters)
+        row["fwd ms"], row["fwd latency ms"] = timed(forward)
+    row["step ms"], row["step latency ms"] = timed(step)
     return row
 
 
-def run(shape_name: str, variants, *, iters: int, out=sys.stdout) -> list[dict]:
+def run(shape_name: str, variants, *, iters: int, out: TextIO = sys.stdout) -> list[dict]:
+    """Rows (dicts with "shape", "variant", times and gradient errors, or "skipped") for one shape;
+    a header and each row as a JSON line go to `out` as they come."""
     shape = SHAPES[shape_name]
     layer = make_layer(shape)
     probe = jax.random.normal(jax.random.PRNGKey(7), layer.x.shape, jnp.float32)
@@ -200,30 +200,103 @@ def run(shape_name: str, variants, *, iters: int, out=sys.stdout) -> list[dict]:
     print(f"shape {shape}; jax {jax.__version__} on {jax.devices()[0].device_kind}", file=out)
     rows = []
     for name in variants:
-        if name == "torch_titan":
+        if name == BASELINE:
             row = run_torch_titan(args, ref, iters=iters)
         else:
             row = run_jax_variant(name, args, ref, iters=iters)
+        row = {"shape": shape_name, **row}
         rows.append(row)
         print(json.dumps(row), file=out, flush=True)
-    baseline = next((r for r in rows if r["variant"] == "torch_titan" and "step ms" in r), None)
+    baseline = next((r for r in rows if r["variant"] == BASELINE and "step ms" in r), None)
     for row in rows:
         if baseline is not None and "step ms" in row:
-            row["speedup vs torch_titan"] = baseline["step ms"] / row["step ms"]
+            row[f"speedup vs {BASELINE}"] = baseline["step ms"] / row["step ms"]
     return rows
 
 
-def _table(rows: list[dict]) -> str:
-    cols = ("fwd ms", "step ms", "step latency ms", "speedup vs torch_titan", "err_dx", "err_dw1")
+def format_table(rows: list[dict]) -> str:
+    """A markdown table of `run`'s rows (BENCHMARKS.md's form)."""
+    cols = ("fwd ms", "step ms", "step latency ms", f"speedup vs {BASELINE}", "err_dx", "err_dw1")
     cols += ("err_dw2", "err_dtopk_weights")
-    lines = ["| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines = ["| shape | variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['variant']} | skipped: {row['skipped']} |")
+            lines.append(f"| {row['shape']} | {row['variant']} | skipped: {row['skipped']} |")
             continue
         cells = [f"{row[c]:.3g}" if c in row else "-" for c in cols]
-        lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row['shape']} | {row['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Bar chart of step ms per variant (the baseline grey), one panel per shape, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, shape in zip(axes[0], names, strict=True):
+        timed = [r for r in rows if r["shape"] == shape and "step ms" in r]
+        colors = ["tab:gray" if r["variant"] == BASELINE else "tab:blue" for r in timed]
+        bars = ax.barh([r["variant"] for r in timed], [r["step ms"] for r in timed], color=colors)
+        ax.bar_label(bars, labels=[f"{r['step ms']:.2f} ms" for r in timed], padding=3, fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlim(right=2 * max((r["step ms"] for r in timed), default=1.0))  # room for labels
+        ax.set_xlabel("ms per training step, forward + backward (log scale; lower is better)")
+        ax.set_title(f"{SHAPES[shape]} on {jax.devices()[0].device_kind}", fontsize=9)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_train_bench(
+    *,
+    shapes: Sequence[str] | None = None,
+    variants: Sequence[str] | None = None,
+    iters: int = 20,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    progress: TextIO = sys.stderr,
+) -> int:
+    """The `bench --train` command: runs, prints the table, writes JSON/PNG; returns the exit code.
+
+    Args:
+      shapes: names from `layer_bench.SHAPES`; None: B on a GPU, "small" elsewhere.
+      variants: names from `VARIANTS`; None: all (each runs or says why not).
+      iters: latency samples per variant (streamed samples: max(3, iters // 2)).
+      json_path: write {"environment", "rows"} there.
+      plot_path: write a PNG bar chart of the step times there.
+      progress: where the header and each row (a JSON line) go as they come.
+    """
+    from moe_jax.cli import layer_report
+
+    shape_names = list(shapes or (["B"] if jax.default_backend() == "gpu" else ["small"]))
+    variants = list(variants or VARIANTS)
+    for given, known, what in (
+        (shape_names, sorted(SHAPES), "shape"),
+        (variants, VARIANTS, "variant"),
+    ):
+        unknown = [n for n in given if n not in known]
+        if unknown:
+            print(f"unknown {what} {unknown[0]!r}; choose from {list(known)}", file=sys.stderr)
+            return 2
+    if iters < 1:
+        print(f"iters={iters} but at least 1 timed call is needed", file=sys.stderr)
+        return 2
+    rows = [row for name in shape_names for row in run(name, variants, iters=iters, out=progress)]
+    env = layer_report.environment()
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print(format_table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(environment=env, rows=rows), f, indent=1)
+    if plot_path:
+        plot(rows, plot_path)
+        print(f"wrote {plot_path}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -232,13 +305,16 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="write the rows here as JSON")
+    parser.add_argument("--plot", help="write a PNG bar chart of the step times here")
     opts = parser.parse_args(argv)
-    rows = run(opts.shape, opts.variants, iters=opts.iters)
-    print(_table(rows))
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"shape": opts.shape, "rows": rows}, f, indent=1)
-    return 0
+    return run_train_bench(
+        shapes=[opts.shape],
+        variants=opts.variants,
+        iters=opts.iters,
+        json_path=opts.json,
+        plot_path=opts.plot,
+        progress=sys.stdout,
+    )
 
 
 if __name__ == "__main__":
