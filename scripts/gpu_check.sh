@@ -2,6 +2,7 @@
 # On the GPU host, after `source .gpu/install.sh` (see ../shared/device/stage):
 #   bash scripts/gpu_check.sh suite      the whole test suite, every marker (pytest-xdist, 8 workers)
 #   bash scripts/gpu_check.sh sanitize   compute-sanitizer memcheck and racecheck on the Pallas kernels
+#   bash scripts/gpu_check.sh train      training-step bench and per-stage backward times, shapes B and A
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -22,8 +23,22 @@ case "${1:-}" in
     done
     exit "$status"
     ;;
+  train)
+    status=0
+    for shape in B A; do
+      python3 -m moe_jax.cli.train_bench --shape "$shape" --iters 10 \
+        --variants auto deep_gemm torch fp8_recipe torch_titan --json "$out/train_$shape.json" \
+        2>&1 | tee "$out/train_$shape.log" || status=1
+      for experts in auto fp8_recipe; do
+        python3 -m moe_jax.cli.train_stages --shape "$shape" --experts "$experts" --iters 10 \
+          --json "$out/stages_${shape}_$experts.json" 2>&1 | tee -a "$out/train_$shape.log" \
+          || status=1
+      done
+    done
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train" >&2
     exit 2
     ;;
 esac
