@@ -12,6 +12,11 @@ all its names, e.g. Qwen3-MoE's expert count is `num_experts` in transformers 4 
                  output is scaled by sigmoid(x @ gate)
     deepseek_v3  "noaux_tc": sigmoid scores, grouped top-k,    n_routed_experts, n_shared_experts,
                  correction bias, routed scaling               n_group, topk_group, ...
+
+Sizes (hidden_size, the intermediate sizes, expert counts, num_experts_per_tok) are required. An
+optional field that a config.json omits, or sets to null, takes the default of transformers'
+config class (`_DEFAULTS`), so a dict reads as `AutoConfig.from_pretrained` reads it: a
+DeepSeek-V3 config without routed_scaling_factor scales by 2.5, as transformers does, not by 1.
 """
 
 from __future__ import annotations
@@ -26,6 +31,31 @@ SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
 _FP8_BLOCK = [128, 128]  # the only FP8 weight block `quant.Fp8BlockQuant` supports
 _REQUIRED = object()
+_QWEN_DEFAULTS = {
+    "hidden_act": "silu",
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+# transformers' config-class defaults of the optional fields read here
+# (tests/test_hf_transformers.py checks them against the installed transformers).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"hidden_act": "silu"},
+    "qwen3_moe": _QWEN_DEFAULTS,
+    "qwen2_moe": _QWEN_DEFAULTS,
+    "deepseek_v3": {
+        "hidden_act": "silu",
+        "norm_topk_prob": True,
+        "n_group": 8,
+        "topk_group": 4,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    },
+}
 
 
 def hf_config_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
@@ -54,14 +84,16 @@ def _field(cfg: dict[str, Any], *names: str, default: Any = _REQUIRED) -> Any:
     )
 
 
-def _model_type(cfg: dict[str, Any]) -> str:
+def _read(config: Mapping[str, Any] | Any) -> tuple[str, dict[str, Any]]:
+    """(model_type, the config's fields over transformers' defaults; null counts as absent)."""
+    cfg = hf_config_dict(config)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model_type={model_type!r} is not supported; supported: "
+            f"config has model_type={model_type!r}, which is not supported; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (or build MoE yourself and call load_hf_moe)"
         )
-    return model_type
+    return model_type, _DEFAULTS[model_type] | {k: v for k, v in cfg.items() if v is not None}
 
 
 def _check_unsupported(cfg: dict[str, Any], model_type: str) -> None:
@@ -82,13 +114,13 @@ def _check_unsupported(cfg: dict[str, Any], model_type: str) -> None:
             )
     if model_type != "deepseek_v3":
         return
-    method = cfg.get("topk_method") or "noaux_tc"
+    method = cfg["topk_method"]
     if method != "noaux_tc":
         raise NotImplementedError(
             f"deepseek_v3 topk_method={method!r}; supported: 'noaux_tc' (DeepSeek-V3's "
             "sigmoid scores + correction bias + grouped top-k)"
         )
-    scoring = cfg.get("scoring_func") or "sigmoid"
+    scoring = cfg["scoring_func"]
     if scoring != "sigmoid":
         raise NotImplementedError(
             f"deepseek_v3 scoring_func={scoring!r}; supported: 'sigmoid' (as transformers' "
@@ -97,7 +129,7 @@ def _check_unsupported(cfg: dict[str, Any], model_type: str) -> None:
 
 
 def _activation(cfg: dict[str, Any]) -> str:
-    act = cfg.get("hidden_act") or "silu"
+    act = cfg["hidden_act"]
     if act not in _ACTIVATIONS:
         raise NotImplementedError(
             f"hidden_act={act!r}; supported: {', '.join(_ACTIVATIONS)} (MoE runs silu or gelu)"
@@ -131,8 +163,7 @@ def moe_kwargs_from_hf_config(config: Mapping[str, Any] | Any) -> dict[str, Any]
       >>> kw["num_experts"], kw["router"].renormalize
       (4, False)
     """
-    cfg = hf_config_dict(config)
-    model_type = _model_type(cfg)
+    model_type, cfg = _read(config)
     _check_unsupported(cfg, model_type)
     kwargs = dict(
         hidden_size=_field(cfg, "hidden_size"),
@@ -150,12 +181,10 @@ def moe_kwargs_from_hf_config(config: Mapping[str, Any] | Any) -> dict[str, Any]
     if model_type in ("qwen3_moe", "qwen2_moe"):
         kwargs |= dict(
             num_experts=_field(cfg, "num_experts", "num_local_experts"),
-            router=RouterConfig(
-                scoring_func="softmax", renormalize=bool(cfg.get("norm_topk_prob", False))
-            ),
+            router=RouterConfig(scoring_func="softmax", renormalize=bool(cfg["norm_topk_prob"])),
         )
         if model_type == "qwen2_moe":
-            shared = _field(cfg, "shared_expert_intermediate_size", default=0)
+            shared = _field(cfg, "shared_expert_intermediate_size")
             if shared % intermediate:
                 raise NotImplementedError(
                     f"qwen2_moe shared_expert_intermediate_size={shared} is not a multiple of "
@@ -166,22 +195,16 @@ def moe_kwargs_from_hf_config(config: Mapping[str, Any] | Any) -> dict[str, Any]
             kwargs["has_shared_expert_gate"] = True
         return kwargs
     # deepseek_v3
-    n_group, topk_group = cfg.get("n_group"), cfg.get("topk_group")
-    if n_group is None or topk_group is None:
-        raise ValueError(
-            f"deepseek_v3 n_group={n_group}, topk_group={topk_group}: noaux_tc routing needs "
-            "both (DeepSeek-V3 uses n_group=8, topk_group=4)"
-        )
     return kwargs | dict(
         num_experts=_field(cfg, "n_routed_experts", "num_local_experts"),
-        num_shared_experts=cfg.get("n_shared_experts") or 0,
+        num_shared_experts=cfg["n_shared_experts"],
         router=RouterConfig(
             scoring_func="sigmoid",
-            renormalize=bool(cfg.get("norm_topk_prob", True)),
-            num_expert_group=n_group,
-            topk_group=topk_group,
+            renormalize=bool(cfg["norm_topk_prob"]),
+            num_expert_group=cfg["n_group"],
+            topk_group=cfg["topk_group"],
             use_correction_bias=True,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(cfg["routed_scaling_factor"]),
         ),
     )
 
@@ -198,19 +221,17 @@ def dense_layer_reason(config: Mapping[str, Any] | Any, layer_index: int) -> str
       >>> dense_layer_reason({"model_type": "deepseek_v3", "first_k_dense_replace": 3}, 1)
       'first_k_dense_replace=3 makes layers 0..2 dense'
     """
-    cfg = hf_config_dict(config)
-    model_type = _model_type(cfg)
+    model_type, cfg = _read(config)
     if model_type == "deepseek_v3":
-        first = cfg.get("first_k_dense_replace") or 0
-        freq = cfg.get("moe_layer_freq") or 1
+        first, freq = cfg["first_k_dense_replace"], cfg["moe_layer_freq"]
         if layer_index < first:
             return f"first_k_dense_replace={first} makes layers 0..{first - 1} dense"
         if layer_index % freq:
             return f"moe_layer_freq={freq} makes only layers divisible by {freq} MoE"
     elif model_type in ("qwen3_moe", "qwen2_moe"):
-        if layer_index in (cfg.get("mlp_only_layers") or []):
+        if layer_index in cfg["mlp_only_layers"]:
             return f"mlp_only_layers={cfg['mlp_only_layers']} lists it"
-        step = cfg.get("decoder_sparse_step") or 1
+        step = cfg["decoder_sparse_step"]
         if (layer_index + 1) % step:
             return (
                 f"decoder_sparse_step={step} makes only layers with (index + 1) % {step} == 0 MoE"
