@@ -31,12 +31,7 @@ from flax import nnx
 from moe_jax import quant
 from moe_jax.flax_layer import MoE
 from moe_jax.hf_checkpoint import open_hf_layer, read_hf_config
-from moe_jax.hf_config import (
-    SUPPORTED_MODEL_TYPES,
-    dense_layer_reason,
-    hf_config_dict,
-    moe_kwargs_from_hf_config,
-)
+from moe_jax.hf_config import SUPPORTED_MODEL_TYPES, dense_layer_reason, moe_kwargs_from_hf_config
 from moe_jax.hf_weights import HF_NAMINGS, HFNaming, detect_hf_naming, hf_moe_params, to_numpy
 
 __all__ = [
@@ -66,7 +61,30 @@ def _layer_arrays(layer: MoE, params: dict[str, np.ndarray]) -> dict[str, np.nda
         elif layer.is_fp8:
             out[name], out[f"{name}_scale"] = w, scale
         elif scale is not None:  # an FP8 checkpoint into a float layer: dequantize
-            out[name] = np.asarray(quant.dequant_per_block(jnp.asarray(w), jnp.asarray(scale)))
+            var = getattr(layer, name, None)
+            dtype = var.get_value().dtype if isinstance(var, nnx.Param) else np.float32
+            out[name] = _dequantized(w, scale, dtype, name=name)
+    return out
+
+
+def _dequantized(w: np.ndarray, scale: np.ndarray, dtype: Any, *, name: str) -> np.ndarray:
+    """dtype[..., N, K] = float32(w) * scale per 128x128 tile (DeepSeek's `weight_scale_inv`).
+
+    Goes one [N, K] matrix at a time, so the float32 temporaries are one expert's, not the
+    layer's (a DeepSeek-V3 w1 is 7.5e9 values).
+    """
+    expected = quant.block_scale_shape(w.shape)
+    if scale.shape != expected:
+        raise ValueError(
+            f"{name}: {w.shape=} needs 128x128 block scales of shape {expected} but "
+            f"{scale.shape=}; the checkpoint's weight_scale_inv does not match its weight"
+        )
+    bn, bk = quant.DEFAULT_BLOCK_SHAPE
+    n, k = w.shape[-2:]
+    out = np.empty(w.shape, dtype)
+    for i in np.ndindex(w.shape[:-2]):
+        tiles = np.repeat(np.repeat(scale[i], bn, axis=0), bk, axis=1)[:n, :k]
+        out[i] = (w[i].astype(np.float32) * tiles).astype(dtype)
     return out
 
 
@@ -105,7 +123,8 @@ def load_hf_moe(layer: MoE, state_dict: Mapping[str, Any], prefix: str = "") -> 
             "lacks: build the layer without them"
         )
     for name in sorted(layer_params):
-        var, value = getattr(layer, name), arrays[name]
+        # pop: each host array is freed once the layer holds its copy (peak: one extra param)
+        var, value = getattr(layer, name), arrays.pop(name)
         current = var.get_value()
         if tuple(current.shape) != value.shape:
             raise ValueError(
@@ -167,11 +186,15 @@ def moe_from_pretrained(
 ) -> MoE:
     """An `MoE` holding decoder layer `layer_index`'s MoE block of a checkpoint directory.
 
-    Reads path/config.json, then only that layer's tensors, lazily, from model.safetensors or
-    the shards of model.safetensors.index.json (`moe_jax.hf_checkpoint`): peak host memory is
-    about one copy of the layer's expert weights. DeepSeek-V3's FP8 weights and their
-    `weight_scale_inv` block scales are read as such: they stay FP8 in a layer built with
-    `quant_config=quant.Fp8BlockQuant()` and are dequantized into a float layer otherwise.
+    Reads path/config.json, then, lazily, only the tensors of that layer's MoE block from
+    model.safetensors or the shards of model.safetensors.index.json (`moe_jax.hf_checkpoint`);
+    shards that hold none of them are never opened. Peak host memory: the block's weights as
+    stored, plus their conversion to the layer's dtype (all of it for an FP8 checkpoint into a
+    float layer, which is dequantized one expert at a time), plus one param as the layer holds
+    it. Params are float32 unless `param_dtype=` says otherwise (`jnp.bfloat16` halves that).
+    DeepSeek-V3's FP8 weights and their `weight_scale_inv` block scales are read as such: they
+    stay FP8 in a layer built with `quant_config=quant.Fp8BlockQuant()` and are dequantized
+    into a float layer otherwise.
     Needs safetensors and torch (`pip install 'moe_jax[hf]'`).
 
     Args:
@@ -189,16 +212,31 @@ def moe_from_pretrained(
       NotImplementedError: as `moe_kwargs_from_hf_config` and `load_hf_moe`.
     """
     if layer_index < 0:
-        raise ValueError(f"layer_index={layer_index} must be >= 0")
+        raise ValueError(f"layer_index={layer_index} must be >= 0 (decoder layers count from 0)")
     config = read_hf_config(path)
     moe_kwargs_from_hf_config(config)  # unsupported model types fail before any tensor is read
-    num_layers = hf_config_dict(config).get("num_hidden_layers")
+    num_layers = config.get("num_hidden_layers")
     if num_layers is not None and layer_index < num_layers:
         if (why := dense_layer_reason(config, layer_index)) is not None:
+            moe_layers = [i for i in range(num_layers) if dense_layer_reason(config, i) is None]
             raise ValueError(
-                f"layer {layer_index} of {path} is a dense MLP, not an MoE block: {why}; "
-                "pick an MoE layer"
+                f"layer_index={layer_index}: that layer of {path} is a dense MLP, not an MoE "
+                f"block ({why}); pick an MoE layer: {_listed(moe_layers)}"
             )
     prefix = f"{layers_prefix}{layer_index}."
-    with open_hf_layer(path, prefix) as tensors:
+    try:
+        tensors = open_hf_layer(path, prefix)
+    except ValueError as e:
+        raise ValueError(f"layer_index={layer_index}: {e}") from e
+    with tensors:
         return moe_from_hf(tensors, prefix, config, **layer_kwargs)
+
+
+def _listed(indices: list[int]) -> str:
+    """'3..60' for consecutive indices, else the first few: '1, 3, 5, ... (30 in all)'."""
+    if not indices:
+        return "none (the config makes every layer dense)"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}..{indices[-1]}" if len(indices) > 1 else str(indices[0])
+    more = f", ... ({len(indices)} in all)" if len(indices) > 6 else ""
+    return ", ".join(map(str, indices[:6])) + more

@@ -197,7 +197,7 @@ def test_deepseek_bias_and_shared_experts_matter():
 
 
 def test_torch_bf16_tensors_load_like_numpy():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch bf16 tensors need torch (extra 'torch')")
     cfg = CASES["qwen3_moe_norm"]
     sd = make_state_dict(cfg)
     as_torch = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in sd.items()}
@@ -222,7 +222,7 @@ def _fp8_checkpoint(sd: dict, *, as_torch: bool) -> dict:
         else:
             out[k] = v
     if as_torch:
-        torch = pytest.importorskip("torch")
+        torch = pytest.importorskip("torch", reason="torch FP8 tensors need torch (extra 'torch')")
         out = {
             k: torch.from_numpy(v.view(np.uint8).copy()).view(torch.float8_e4m3fn)
             if v.dtype == ml_dtypes.float8_e4m3fn
@@ -269,6 +269,16 @@ def test_fp8_checkpoint(as_torch):
     }
     x = np.random.default_rng(1).normal(size=(8, 128)).astype(np.float32)
     np.testing.assert_allclose(dense(x), hf_forward(cfg, dequantized, x), rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_scales_that_do_not_fit_the_weights_are_refused():
+    cfg = make_config("deepseek_v3", hidden=128, inter=128, n_shared_experts=1)
+    fp8_sd = _fp8_checkpoint(make_state_dict(cfg), as_torch=False)
+    for k in fp8_sd:
+        if ".experts." in k and k.endswith("down_proj.weight_scale_inv"):
+            fp8_sd[k] = np.ones((2, 1), np.float32)  # [1, 1] fits a 128x128 weight
+    with pytest.raises(ValueError, match=r"w2: .*scales of shape \(8, 1, 1\).*weight_scale_inv"):
+        moe_from_hf(fp8_sd, PREFIX, cfg)
 
 
 def _dequant_blocks(w, scale_inv, block=128):
