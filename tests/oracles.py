@@ -2,7 +2,8 @@
 
 Each oracle restates vLLM's fused-MoE semantics (0.10.0) without calling moe_jax.
 Where vLLM rounds (bf16 GEMM outputs, FP8 quantization), the oracle rounds at the same points with
-`ml_dtypes`, so tests can hold the library to tight tolerances.
+`ml_dtypes`, so tests can hold the library to tight tolerances. Gradient tests differentiate
+`fused_moe_jnp`, the one oracle written in jax.numpy (float64 under `jax.enable_x64`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -402,3 +404,52 @@ def fused_moe(
             y = round_to(w2f[e] @ a, mid)
             out[t] += w * y
     return out
+
+
+def fused_moe_jnp(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False):
+    """out[t] = sum_j w[t, j] * W2[e] @ (silu(W1g[e] x) * W1u[e] x), e = local_ids[t, j] >= 0, in
+    jax.numpy with no rounding: differentiable, and float64 under `jax.enable_x64` with float64
+    arguments (the gradient tests' reference). `weight_on_input` scales x by the top-1 weight."""
+    intermediate = w2.shape[-1]
+    is_valid = local_ids >= 0
+    e = np.maximum(local_ids, 0)
+    weights = topk_weights
+    if weight_on_input:
+        x = x * topk_weights[:, :1]
+        weights = jnp.ones_like(topk_weights)
+    h = jnp.einsum("tkih,th->tki", w1[e], x)
+    gate, up = h[..., :intermediate], h[..., intermediate:]
+    a = gate / (1.0 + jnp.exp(-gate)) * up
+    y = jnp.einsum("tkhi,tki->tkh", w2[e], a)
+    return jnp.sum(jnp.where(is_valid[..., None], weights[..., None] * y, 0.0), axis=1)
+
+
+# --- expert parallelism ----------------------------------------------------------------------
+
+
+def ep_dispatch(ids, *, num_ranks: int, num_experts: int, capacity: int):
+    """(keep bool[T, k], num_dropped int[R], num_routed_per_rank int[R, R]) of the capacity-bound
+    all-to-all: each sender rank (T / R consecutive tokens) keeps, per destination rank (expert
+    e on rank e // (E / R)), its first `capacity` pairs in (token, slot) order; ids outside
+    [0, E) go nowhere and are neither routed nor dropped."""
+    ids = np.asarray(ids)
+    num_tokens, topk = ids.shape
+    per_rank = num_tokens // num_ranks
+    keep = np.zeros(ids.shape, bool)
+    dropped = np.zeros(num_ranks, np.int64)
+    routed = np.zeros((num_ranks, num_ranks), np.int64)
+    for src in range(num_ranks):
+        used = [0] * num_ranks
+        for t in range(src * per_rank, (src + 1) * per_rank):
+            for j in range(topk):
+                e = int(ids[t, j])
+                if not 0 <= e < num_experts:
+                    continue
+                dest = e // (num_experts // num_ranks)
+                routed[src, dest] += 1
+                if used[dest] < capacity:
+                    used[dest] += 1
+                    keep[t, j] = True
+                else:
+                    dropped[src] += 1
+    return keep, dropped, routed

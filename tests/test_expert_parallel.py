@@ -1,8 +1,8 @@
 """Expert parallelism on JAX collectives (`moe_jax.expert_parallel`).
 
 The 8-rank runs happen in a subprocess (`ep_multidevice.py`, 8 CPU devices); the expectations are
-computed here: single-device `fused_moe` on the same inputs with the dropped pairs removed, a
-float64 per-pair loop, and the drop/route counts from a plain loop over senders.
+computed here: single-device `fused_moe` on the same inputs with the dropped pairs removed, the
+float64 loop `oracles.fused_moe`, and the drop/route counts from `oracles.ep_dispatch`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import ep_multidevice as epm
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracles
 import pytest
 
 from moe_jax import fused_moe
@@ -45,44 +46,6 @@ def ep_results(tmp_path_factory):
         return dict(f)
 
 
-def oracle_dispatch(ids, *, num_ranks, num_experts, capacity):
-    """(keep bool[T, k], num_dropped int[R], num_routed_per_rank int[R, R]) by a plain loop."""
-    num_tokens, topk = ids.shape
-    per_rank = num_tokens // num_ranks
-    keep = np.zeros(ids.shape, bool)
-    dropped = np.zeros(num_ranks, np.int64)
-    routed = np.zeros((num_ranks, num_ranks), np.int64)
-    for src in range(num_ranks):
-        used = [0] * num_ranks
-        for t in range(src * per_rank, (src + 1) * per_rank):
-            for j in range(topk):
-                e = int(ids[t, j])
-                if not 0 <= e < num_experts:
-                    continue
-                dest = e // (num_experts // num_ranks)
-                routed[src, dest] += 1
-                if used[dest] < capacity:
-                    used[dest] += 1
-                    keep[t, j] = True
-                else:
-                    dropped[src] += 1
-    return keep, dropped, routed
-
-
-def oracle_moe(x, w1, w2, weights, ids, keep):
-    """float64 sum over kept pairs of w * W2 (silu(gate) * up)."""
-    x, w1, w2 = (np.asarray(a, np.float64) for a in (x, w1, w2))
-    inter = w2.shape[2]
-    out = np.zeros(x.shape)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            if keep[t, j]:
-                h = w1[ids[t, j]] @ x[t]
-                gate, up = h[:inter], h[inter:]
-                out[t] += weights[t, j] * (w2[ids[t, j]] @ (gate / (1 + np.exp(-gate)) * up))
-    return out
-
-
 def on_the_ranks_platform():
     """The 8 ranks run on CPU devices (the subprocess), so their expectations are computed on
     the CPU too: the comparison checks the EP logic, not one platform's float32/FP8 rounding
@@ -103,7 +66,7 @@ def test_ep_matches_fused_moe(ep_results, name):
     case = epm.CASES[name]
     inputs = epm.make_inputs(case)
     capacity = case.capacity_per_rank or case.tokens_per_rank * case.topk
-    keep, dropped, routed = oracle_dispatch(
+    keep, dropped, routed = oracles.ep_dispatch(
         inputs["topk_ids"],
         num_ranks=epm.NUM_RANKS,
         num_experts=case.num_experts,
@@ -118,13 +81,12 @@ def test_ep_matches_fused_moe(ep_results, name):
     tol = dict(rtol=2e-2, atol=2e-2) if case.fp8 else dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out, expected, **tol)
     if not case.fp8 and not case.weight_on_input:
-        oracle = oracle_moe(
-            inputs["x"],
+        oracle = oracles.fused_moe(  # float64 inputs: no rounding anywhere
+            inputs["x"].astype(np.float64),
             inputs["w1"],
             inputs["w2"],
             inputs["topk_weights"],
-            inputs["topk_ids"],
-            keep,
+            np.where(keep, inputs["topk_ids"], -1),  # the dropped pairs removed
         )
         np.testing.assert_allclose(out, oracle, rtol=1e-4, atol=1e-4)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -75,10 +74,6 @@ EAGER_CASES = [
     pytest.param("bfloat16", FLOAT_PROBLEMS[0], id=f"bfloat16-{FLOAT_PROBLEMS[0]}"),
     pytest.param("fp8", FP8_PROBLEMS[0], id=f"fp8-{FP8_PROBLEMS[0]}"),
 ]
-
-
-def _seed(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
 
 
 @dataclasses.dataclass
@@ -168,7 +163,7 @@ def assert_close(out, ref, dtype: str):
 @pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("dtype,problem", CASES)
 def test_fused_moe_matches_oracle_jitted(dtype, problem, experts):
-    rng = np.random.default_rng(_seed("jit", dtype, str(problem), str(experts)))
+    rng = np.random.default_rng(oracles.seed("jit", dtype, str(problem), str(experts)))
     inputs = make_inputs(problem, dtype, rng)
     assert_close(run(inputs, jit=True, experts=experts), expected(inputs), dtype)
 
@@ -176,7 +171,7 @@ def test_fused_moe_matches_oracle_jitted(dtype, problem, experts):
 @pytest.mark.parametrize("experts", ["xla", "xla_masked"])
 @pytest.mark.parametrize("dtype,problem", EAGER_CASES)
 def test_fused_moe_matches_oracle_eager(dtype, problem, experts):
-    rng = np.random.default_rng(_seed("eager", dtype, str(problem), experts))
+    rng = np.random.default_rng(oracles.seed("eager", dtype, str(problem), experts))
     inputs = make_inputs(problem, dtype, rng)
     assert_close(run(inputs, jit=False, experts=experts), expected(inputs), dtype)
 
@@ -196,7 +191,7 @@ def test_no_tokens(experts, jit):
 def test_out_of_range_ids_contribute_nothing(dtype, experts):
     """Ids < 0 and >= E are skipped (never index memory); a token with only such ids is zero."""
     problem = FP8_PROBLEMS[0] if dtype == "fp8" else SMALL
-    rng = np.random.default_rng(_seed("oob", dtype, str(experts)))
+    rng = np.random.default_rng(oracles.seed("oob", dtype, str(experts)))
     inputs = make_inputs(problem, dtype, rng, id_low=-3, id_high=problem.num_experts + 3)
     inputs.topk_ids[0] = [-1, problem.num_experts][: problem.topk] + [-7] * (problem.topk - 2)
     out = run(inputs, jit=True, experts=experts)
@@ -216,7 +211,7 @@ def test_out_of_range_ids_contribute_nothing(dtype, experts):
 def test_expert_map_with_holes(experts, jit):
     """10 global experts, 4 local ones scattered over the map; ids also below 0 and >= 10."""
     expert_map = np.array([-1, 2, -1, -1, 0, 3, -1, 1, -1, -1], np.int32)
-    rng = np.random.default_rng(_seed("map", str(experts), jit))
+    rng = np.random.default_rng(oracles.seed("map", str(experts), jit))
     inputs = make_inputs(SMALL, "float32", rng, id_low=-2, id_high=13)
     inputs.topk_ids[0] = [4, 4, 5]  # duplicate local expert
     inputs.topk_ids[1] = [0, 2, 12]  # nothing local
@@ -234,7 +229,7 @@ def test_expert_map_with_holes(experts, jit):
 def test_apply_router_weight_on_input(dtype, experts):
     """k == 1: out = W2 act(W1 (w x)); differs from w * W2 act(W1 x) since act is nonlinear."""
     problem = dataclasses.replace(FP8_PROBLEMS[0], topk=1) if dtype == "fp8" else SMALL_K1
-    rng = np.random.default_rng(_seed("on_input", dtype, str(experts)))
+    rng = np.random.default_rng(oracles.seed("on_input", dtype, str(experts)))
     inputs = make_inputs(problem, dtype, rng)
     inputs.topk_weights *= 3.0  # far from 1 so the two orders differ clearly
     out = run(inputs, jit=True, experts=experts, apply_router_weight_on_input=True)
@@ -251,7 +246,7 @@ def test_apply_router_weight_on_input(dtype, experts):
 def test_chunking_matches_oracle(dtype, chunk_size, experts):
     """Chunk 1; uneven chunks (7 = 3+3+1, 7 = 4+3, 5 = 2+2+1); chunk == T; chunk > T."""
     problem = FP8_PROBLEMS[0] if dtype == "fp8" else SMALL
-    rng = np.random.default_rng(_seed("chunk", dtype, chunk_size, str(experts)))
+    rng = np.random.default_rng(oracles.seed("chunk", dtype, chunk_size, str(experts)))
     inputs = make_inputs(problem, dtype, rng, id_low=-1, id_high=problem.num_experts + 1)
     inputs.topk_ids[-1, :2] = 1  # duplicate in the tail chunk
     out = run(inputs, jit=True, experts=experts, chunk_size=chunk_size)
@@ -276,7 +271,7 @@ def test_chunked_expert_map_and_weight_on_input():
 
 @pytest.mark.parametrize("experts", ["xla", "xla_masked"])
 def test_gelu_activation(experts):
-    inputs = make_inputs(SMALL, "float32", np.random.default_rng(_seed("gelu", experts)))
+    inputs = make_inputs(SMALL, "float32", np.random.default_rng(oracles.seed("gelu", experts)))
     out = run(inputs, jit=True, experts=experts, activation="gelu")
     assert_close(out, expected(inputs, activation="gelu"), "float32")
 

@@ -1,19 +1,21 @@
 """Gradients through the fast path: `jax.grad` of `fused_moe` for every experts backend that runs on
 the CPU, against `jax.grad` of an independent float64 jnp MoE (x64 enabled locally).
 
-The reference restates the layer's math with no moe_jax code: per (token, slot) it gathers the
-expert's weights and runs the MLP in float64, with no rounding. Tolerances (relative Frobenius
-error of each gradient): float32 inputs 1e-5 (the library rounds nowhere but float32 sums);
-bfloat16 inputs 3e-2 (rounded GEMM outputs and activations, as vLLM rounds).
+The reference, `oracles.fused_moe_jnp`, restates the layer's math with no moe_jax code: per
+(token, slot) it gathers the expert's weights and runs the MLP in float64, with no rounding.
+Tolerances (relative Frobenius error of each gradient): float32 inputs 1e-5 (the library rounds
+nowhere but float32 sums); bfloat16 inputs 3e-2 (rounded GEMM outputs and activations, as vLLM
+rounds).
 
 The "torch" cases run torch's CPU twin on the CPU; on a GPU, torch's grouped GEMM takes bfloat16
 and FP8 only, so the float32 cases that name torch skip there, with the registry's refusal as the
-reason (on the CPU a refusal is a failure).
+reason (on the CPU a refusal is a failure, except torch's where torch is not installed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import math
 import re
@@ -50,21 +52,6 @@ EXPERTS = [
 ]
 
 
-def reference_moe(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False, intermediate=I):
-    """float64 out[t] = sum_j w[t, j] * W2[e] @ (silu(W1g[e] x) * W1u[e] x), e = local_ids[t, j]."""
-    is_valid = local_ids >= 0
-    e = np.maximum(local_ids, 0)
-    weights = topk_weights
-    if weight_on_input:
-        x = x * topk_weights[:, :1]
-        weights = jnp.ones_like(topk_weights)
-    h = jnp.einsum("tkih,th->tki", w1[e], x)
-    gate, up = h[..., :intermediate], h[..., intermediate:]
-    a = gate / (1.0 + jnp.exp(-gate)) * up
-    y = jnp.einsum("tkhi,tki->tkh", w2[e], a)
-    return jnp.sum(jnp.where(is_valid[..., None], weights[..., None] * y, 0.0), axis=1)
-
-
 def _inputs(seed: int, dtype, *, num_tokens=T, topk=K):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(num_tokens, H))
@@ -87,7 +74,10 @@ CASES = {  # every case has negative router weights (see _inputs)
 
 
 def _skip_off_cpu(error: NoImplementationError):
-    """Skips with the refusal on a GPU, where torch refuses float32; re-raises on the CPU."""
+    """Skips with the refusal on a GPU, where torch refuses float32, or where torch is not
+    installed (the [torch] extra) and the refusal is torch's; re-raises on the CPU otherwise."""
+    if "torch" in error.refusals and importlib.util.find_spec("torch") is None:
+        pytest.skip(f"torch is not installed (pip install 'moe_jax[torch]'): {error}")
     if jax.default_backend() == "cpu":
         raise error
     pytest.skip(f"the named backend refuses this problem on {jax.default_backend()}: {error}")
@@ -118,7 +108,9 @@ def _reference_grads(x, w1, w2, topk_weights, probe, local_ids, *, weight_on_inp
     with jax.enable_x64(True):
 
         def loss(x, w1, w2, topk_weights):
-            out = reference_moe(x, w1, w2, topk_weights, local_ids, weight_on_input=weight_on_input)
+            out = oracles.fused_moe_jnp(
+                x, w1, w2, topk_weights, local_ids, weight_on_input=weight_on_input
+            )
             return jnp.sum(out * probe)
 
         grads = jax.grad(loss, argnums=(0, 1, 2, 3))(
