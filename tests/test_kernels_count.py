@@ -1,5 +1,9 @@
 """Pallas token counting (`moe_jax.kernels.count_expert_num_tokens`) against the NumPy loop in
-`oracles.count_expert_num_tokens`."""
+`oracles.count_expert_num_tokens`.
+
+Integer sums with no atomics (each program owns its experts' counts): interpret mode computes the
+compiled kernel's results exactly; only its Triton indexing and masking run on the GPU alone
+(`-m gpu`)."""
 
 from __future__ import annotations
 

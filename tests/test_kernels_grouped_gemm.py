@@ -5,6 +5,12 @@ Tolerances: with FP8 tiles upcast to bf16 (exact) or bf16 operands, each 128-wid
 in float32, so with float32 output the kernel matches the float64 oracle to float32 summation
 error (rtol/atol 1e-4 on unit-scale products). A native FP8 dot (the heuristic's FP8 choice, as
 vLLM's) sums a block with fewer bits on Hopper: 2e-3. bf16 output adds one bf16 rounding (1e-2).
+
+What interpret mode does not cover: its dots are XLA:CPU's, so the Hopper FP8 MMA's
+reduced-precision block sum and Triton's tile order are checked only by the GPU-marked tests
+(against the same float64 loop, at the FP8-dot tolerance); and the uint16 weight view runs here
+on small weights (forced), while the 32-bit offset wrap it avoids (FP8 weights of 2**31 to
+2**32 elements) exists only in compiled code on weights that size.
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""Optional dependencies stay optional: the library, its kernels, interop and CLI modules import
+and run a layer without flax, optax, torch, transformers, safetensors, deep_gemm and deep_ep; what
+needs one says which pyproject extra installs it.
+
+Each check runs in a fresh interpreter in which those packages cannot be imported
+(`sys.modules[name] = None`), whatever this environment has installed.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OPTIONAL = ("flax", "optax", "torch", "transformers", "safetensors", "deep_gemm", "deep_ep")
+
+
+def _run_without_optional(code: str) -> subprocess.CompletedProcess:
+    prelude = f"import sys\nfor name in {OPTIONAL!r}:\n    sys.modules[name] = None\n"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT / "tests",  # not the repository root: only the installed package is importable
+    )
+
+
+def test_library_imports_and_runs_without_optional_dependencies():
+    proc = _run_without_optional(
+        """
+        import importlib, pkgutil
+        import jax.numpy as jnp
+        import moe_jax
+        from moe_jax import cli, interop, kernels
+
+        optional = ("moe_jax.flax_layer", "moe_jax.hf_")
+        names = []
+        for package in (moe_jax, kernels, interop, cli):
+            for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
+                if not info.name.startswith(optional):
+                    importlib.import_module(info.name)
+                    names.append(info.name)
+        assert "moe_jax.interop.deep_gemm" in names and "moe_jax.cli.timing" in names, names
+        x = jnp.ones((2, 8)); w1 = jnp.ones((2, 4, 8)) / 8; w2 = jnp.ones((2, 8, 2))
+        out = moe_jax.fused_moe(x, w1, w2, jnp.ones((2, 1)), jnp.array([[0], [1]]))
+        print("ran", out.shape)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ran (2, 8)" in proc.stdout
+
+
+def test_flax_layer_without_flax_names_the_extra():
+    proc = _run_without_optional(
+        """
+        try:
+            import moe_jax.flax_layer
+        except ImportError as error:
+            print(error)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "pip install 'moe_jax[flax]'" in proc.stdout
+
+
+def test_extras_install_what_their_modules_import():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(extra: str) -> set[str]:
+        return {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in extras[extra]}
+
+    assert "torch" in names("torch")
+    assert "flax" in names("flax")
+    # moe_jax.hf_loading builds moe_jax.flax_layer.MoE layers and reads safetensors through torch.
+    assert {"flax", "torch", "safetensors", "transformers"} <= names("hf")
+    assert names("flax") | names("torch") | names("hf") <= names("test") | {"deepinfer-gemm"}
