@@ -33,16 +33,19 @@ def fused_moe(
 
     Args:
       hidden_states: [T, H] bfloat16, float16 or float32 tokens.
-      w1: [E, 2I, H] gate rows [0, I) then up rows [I, 2I); float, or float8_e4m3fn with w1_scale.
+      w1: [E, 2I, H] gate rows [0, I) then up rows [I, 2I); float, or float8_e4m3fn with w1_scale
+        (FP8: H and I multiples of 128).
       w2: [E, H, I]; same dtype as w1.
       topk_weights: float[T, k] router weights.
       topk_ids: int[T, k] expert ids (global ids when `expert_map` is given).
       activation: "silu" or "gelu" (applied to the gate half).
       apply_router_weight_on_input: scale x by its weight before the experts (top-1 only).
       global_num_experts: E_global; checked against `expert_map` when both are given.
-      expert_map: int[E_global] local index of each global expert, -1 where held elsewhere.
-      w1_scale: float32[E, ceil(2I/128), ceil(H/128)] block scales of FP8 w1.
-      w2_scale: float32[E, ceil(H/128), ceil(I/128)] block scales of FP8 w2.
+      expert_map: int[E_global] local index of each global expert, -1 where held elsewhere;
+        E_global >= E. Ids at or past E_global (which the map does not cover) contribute nothing.
+      w1_scale: float32[E, 2I/128, H/128] block scales of FP8 w1; only with FP8 weights (scales
+        given with float weights raise, they would otherwise be ignored).
+      w2_scale: float32[E, H/128, I/128] block scales of FP8 w2.
       chunk_size: run the experts over chunks of at most this many tokens (static shapes).
       experts: "auto" (the fastest that runs here), a name from `moe_jax.experts_names()`
         ("xla", "deep_gemm", "torch", ..., "deep_gemm_masked", ...), or an `Experts` object.
