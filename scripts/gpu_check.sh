@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
 # On the GPU host, after `source .gpu/install.sh` (see ../shared/device/stage):
-#   bash scripts/gpu_check.sh suite      the whole test suite, every marker (pytest-xdist, 8 workers)
-#   bash scripts/gpu_check.sh sanitize   compute-sanitizer memcheck and racecheck on the Pallas kernels
+#   bash scripts/gpu_check.sh suite [pytest args]    the whole test suite, every marker (8
+#       pytest-xdist workers where xdist is installed, else one process); args select a part
+#   bash scripts/gpu_check.sh sanitize [memcheck|racecheck] [kernel ...]   compute-sanitizer on
+#       the Pallas kernels (both tools by default; `python3 scripts/sanitize_kernels.py --list`)
 #   bash scripts/gpu_check.sh train      training-step bench and per-stage backward times, shapes B and A
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-case "${1:-}" in
+# Several JAX processes (xdist workers, torch beside JAX) share the GPU: allocate on demand.
+export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
+mode="${1:-}"
+shift || true
+case "$mode" in
   suite)
-    python3 -m pytest -q -n 8 -p xdist --durations=15 2>&1 | tee "$out/pytest.log"
+    workers=()
+    if python3 -c "import xdist" 2>/dev/null; then
+      workers=(-n 8)
+    else
+      echo "pytest-xdist is not installed: running the suite in one process" | tee "$out/pytest.log"
+    fi
+    python3 -m pytest -q ${workers[@]+"${workers[@]}"} --durations=15 "$@" 2>&1 | tee -a "$out/pytest.log"
     ;;
   sanitize)
+    sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+    [ -x "$sanitizer" ] || { echo "compute-sanitizer not found (PATH, CUDA_HOME)" >&2; exit 2; }
+    tools=(memcheck racecheck)
+    if [ "${1:-}" = memcheck ] || [ "${1:-}" = racecheck ]; then
+      tools=("$1")
+      shift
+    fi
+    # No XLA autotuning (it would launch every candidate GEMM under the sanitizer) and no command
+    # buffers (each kernel a plain launch, named in the report); the kernels checked are the same.
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer="
     status=0
-    for tool in memcheck racecheck; do
-      compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
-        python3 scripts/sanitize_kernels.py 2>&1 | tee "$out/$tool.log" | tail -25
+    for tool in "${tools[@]}"; do
+      "$sanitizer" --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        python3 scripts/sanitize_kernels.py "$@" 2>&1 | tee "$out/$tool.log" | tail -25
       rc=${PIPESTATUS[0]}
       echo "$tool exit status: $rc" | tee -a "$out/$tool.log"
       [ "$rc" -eq 0 ] || status=$rc
@@ -38,7 +60,7 @@ case "${1:-}" in
     exit "$status"
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,81 @@
+"""scripts/sanitize_kernels.py, the compute-sanitizer driver of the GPU host, run here on a tiny
+shape with the kernels' interpret-mode twins, so the driver itself is known to work before a GPU
+run (the sanitizer itself, and the compiled kernels, run only there: scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from moe_jax.registry import NoImplementationError
+
+PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "sanitize_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def driver():
+    spec = importlib.util.spec_from_file_location("sanitize_kernels", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.mark.slow
+def test_every_kernel_runs_and_matches_xla_in_interpret_mode(driver, capsys):
+    assert driver.main([], interpret=True, shape=driver.SHAPE_TINY) == 0
+    out = capsys.readouterr().out
+    for name, kernel in driver.kernels(driver.SHAPE_TINY).items():
+        if kernel.interpret is None:
+            assert f"{name}: skipped (no interpret mode)" in out
+        else:
+            assert f"{name} ({kernel.interpret}): ok" in out
+    assert "all kernels ran at T=48" in out
+
+
+def test_the_driver_covers_every_pallas_kernel_family(driver):
+    runs = driver.kernels(driver.SHAPE_TINY)
+    assert {
+        "permute_bf16",
+        "permute_fp8",
+        "unpermute",
+        "unpermute_no_weights",
+        "count",
+        "group_quant",
+        "act_and_quant",
+        "grouped_gemm_fp8",
+        "grouped_gemm_bf16",
+        "grouped_gemm_fp8_masked",
+        "mosaic_gemm_bf16",
+        "mosaic_wgrad_bf16",
+    } == set(runs)
+    assert {k.compiled for k in runs.values()} == {"pallas", "mosaic"}
+
+
+def test_unknown_kernel_names_are_refused(driver, capsys):
+    assert driver.main(["permute"], interpret=True, shape=driver.SHAPE_TINY) == 2
+    assert "unknown kernels ['permute']" in capsys.readouterr().err
+
+
+def test_a_refused_kernel_fails_the_run_off_a_gpu(driver, capsys):
+    # Compiled kernels refuse the CPU: the sanitizer run must not pass without running them.
+    assert driver.main(["count"], shape=driver.SHAPE_TINY) == 1
+    assert "count: not run" in capsys.readouterr().out
+
+
+def test_kernels_without_interpret_mode_build_their_calls(driver):
+    """The Mosaic runs cannot run here: their XLA side (same operands, same call) does, and the
+    Mosaic implementation refuses the CPU by name."""
+    runs = driver.kernels(driver.SHAPE_TINY)
+    shape = driver.SHAPE_TINY
+    y = runs["mosaic_gemm_bf16"].run("xla")
+    assert y.shape[1] == 2 * shape.inter and float(abs(y.astype("float32")).max()) > 0
+    dw = runs["mosaic_wgrad_bf16"].run("xla")
+    assert dw.shape == (shape.num_experts, shape.inter, shape.hidden)
+    for name in ("mosaic_gemm_bf16", "mosaic_wgrad_bf16"):
+        with pytest.raises(NoImplementationError, match="mosaic: Mosaic GPU kernels need"):
+            runs[name].run("mosaic")
