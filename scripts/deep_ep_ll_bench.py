@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import json
 import statistics
 import sys
-import time
 import traceback
 
 import jax
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import distributed, fused_moe, quant
+from moe_jax.cli.timing import time_calls
 from moe_jax.experts import ExpertWeights
 from moe_jax.interop import deep_ep as dep
 from moe_jax.interop import deep_ep_layouts as dl
@@ -170,15 +171,8 @@ def time_round_trips(args, ll, proxy, torch) -> dict:
             x_t, _, _ = buf.low_latency_combine(y_t, ids_t, tw_t, handle)
         return x_t
 
-    def wall(fn, sync):
-        for _ in range(3):
-            sync(fn())
-        samples = []
-        for _ in range(args.samples):
-            start = time.perf_counter()
-            sync(fn())
-            samples.append((time.perf_counter() - start) * 1e6 / n)
-        return statistics.median(samples)
+    def wall(fn, sync):  # us per round trip: each sample is one waited-for chain of n
+        return time_calls(fn, wait=sync, samples=args.samples, burst=1).streamed_ms * 1e3 / n
 
     results = {
         "direct_wall_us": wall(lambda: direct(x_t), lambda _: torch.cuda.synchronize()),
@@ -224,13 +218,13 @@ def time_bridge(args, torch) -> dict:
     results = {}
     for name, operands in (("bridge_1in_us", ()), ("bridge_5in_us", tuple(extra))):
         fn = jax.jit(chain)
-        samples = []
-        for i in range(args.samples + 3):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x, *operands))
-            if i >= 3:
-                samples.append((time.perf_counter() - start) * 1e6 / n)
-        results[name] = statistics.median(samples)
+        timing = time_calls(
+            functools.partial(fn, x, *operands),
+            wait=jax.block_until_ready,
+            samples=args.samples,
+            burst=1,
+        )
+        results[name] = timing.streamed_ms * 1e3 / n
     return results
 
 

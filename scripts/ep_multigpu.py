@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import statistics
 import sys
-import time
 import traceback
 
 import jax
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import ContiguousExperts, ModularMoE, distributed, fused_moe, quant
+from moe_jax.cli.timing import time_calls
 from moe_jax.ep_api import ep_fused_moe
 from moe_jax.expert_parallel import expert_map_for_rank
 from moe_jax.experts import ExpertWeights
@@ -67,16 +66,9 @@ def rel_error(a, b) -> float:
 
 
 def burst_us(fn, sync, *, burst=10, samples=20) -> float:
-    for _ in range(3):
-        sync(fn())
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(burst):
-            out = fn()
-        sync(out)
-        times.append((time.perf_counter() - start) * 1e6 / burst)
-    return statistics.median(times)
+    """Streamed us per call, by the benchmarks' one timing loop (`moe_jax.cli.timing.time_calls`);
+    every rank makes the same number of calls, so collectives stay in step."""
+    return time_calls(fn, wait=sync, samples=samples, burst=burst).streamed_ms * 1e3
 
 
 def local_slices(ctx, x, w1, w2, scales, weights, ids):
