@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -151,3 +152,30 @@ def test_readme_lists_the_layers():
         and not re.search(rf"[`/]{re.escape(name.split('.')[-1])}`", section)
     ]
     assert not missing, f"README's Architecture section does not place {missing}"
+
+
+def test_tests_and_scripts_import_the_installed_package_only():
+    """kernels/ and interop/ exist only as moe_jax.kernels / moe_jax.interop: no test or script
+    imports the folders as top-level packages (which would run every module twice)."""
+    bad = []
+    for path in sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("kernels", "interop")]
+    assert not bad, bad
+    loaded = [
+        name
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] in ("kernels", "interop")
+        or (
+            not name.startswith("moe_jax")
+            and str(getattr(module, "__file__", "") or "").startswith(
+                (str(ROOT / "kernels"), str(ROOT / "interop"))
+            )
+        )
+    ]
+    assert not loaded, f"loaded from the repository folders, not the package: {loaded}"
