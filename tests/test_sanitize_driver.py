@@ -1,6 +1,6 @@
-"""scripts/sanitize_kernels.py, the compute-sanitizer driver of the GPU host, run here on a tiny
-shape with the kernels' interpret-mode twins, so the driver itself is known to work before a GPU
-run (the sanitizer itself, and the compiled kernels, run only there: scripts/gpu_check.sh)."""
+"""scripts/sanitize_kernels.py, the compute-sanitizer driver of the GPU host, on a tiny shape: on
+the CPU with the kernels' interpret-mode twins, so the driver itself is known to work before a
+GPU run; on a GPU with the compiled kernels (the sanitizer runs there: scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import importlib.util
 import pathlib
 import sys
 
+import jax
 import pytest
 
 from moe_jax.registry import NoImplementationError
@@ -23,6 +24,11 @@ def driver():
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+
+
+OFF_GPU = pytest.mark.skipif(
+    jax.default_backend() == "gpu", reason="checks the CPU side (compiled kernels run on a GPU)"
+)
 
 
 @pytest.mark.slow
@@ -61,12 +67,14 @@ def test_unknown_kernel_names_are_refused(driver, capsys):
     assert "unknown kernels ['permute']" in capsys.readouterr().err
 
 
+@OFF_GPU
 def test_a_refused_kernel_fails_the_run_off_a_gpu(driver, capsys):
     # Compiled kernels refuse the CPU: the sanitizer run must not pass without running them.
     assert driver.main(["count"], shape=driver.SHAPE_TINY) == 1
     assert "count: not run" in capsys.readouterr().out
 
 
+@OFF_GPU
 def test_kernels_without_interpret_mode_build_their_calls(driver):
     """The Mosaic runs cannot run here: their XLA side (same operands, same call) does, and the
     Mosaic implementation refuses the CPU by name."""
@@ -79,3 +87,11 @@ def test_kernels_without_interpret_mode_build_their_calls(driver):
     for name in ("mosaic_gemm_bf16", "mosaic_wgrad_bf16"):
         with pytest.raises(NoImplementationError, match="mosaic: Mosaic GPU kernels need"):
             runs[name].run("mosaic")
+
+
+@pytest.mark.gpu
+def test_every_compiled_kernel_runs_and_matches_xla(driver, capsys):
+    assert driver.main([], shape=driver.SHAPE_TINY) == 0
+    out = capsys.readouterr().out
+    for name, kernel in driver.kernels(driver.SHAPE_TINY).items():
+        assert f"{name} ({kernel.compiled}): ok" in out
