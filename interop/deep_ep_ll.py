@@ -16,7 +16,7 @@ from moe_jax.interop import deep_ep_layouts as dl
 from moe_jax.interop.bridge import import_torch, torch_callback
 from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, LLDispatched, LLHandle
-from moe_jax.registry import AUTO
+from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry
 
 # How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
 # (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device).
@@ -105,15 +105,19 @@ def _valid_rows_kernel():
     return triton, copy_valid_rows
 
 
-def _copy_received(out, received, *, valid_rows_only: bool) -> None:
+def _copy_all_rows(out, received) -> None:
     """Copies LL dispatch results (count, rows, scales storage or None, src_info, layout_range as
-    int32 words) into XLA's `out` buffers, in `LLDispatched`'s leaf order."""
+    int32 words) whole into XLA's `out` buffers, in `LLDispatched`'s leaf order."""
     count, rows, scales, info, layout = received
-    if not valid_rows_only:
-        sources = [rows, scales, count, info, layout]
-        for o, t in zip(out, [s for s in sources if s is not None], strict=True):
-            o.copy_(t)
-        return
+    sources = [rows, scales, count, info, layout]
+    for o, t in zip(out, [s for s in sources if s is not None], strict=True):
+        o.copy_(t)
+
+
+def _copy_valid_rows(out, received) -> None:
+    """`_copy_all_rows` for the rows below each expert's count only, in one Triton kernel (rows
+    past the counts are stale: `LLDispatched` leaves them unspecified)."""
+    count, rows, scales, info, layout = received
     torch = import_torch()
     triton, kernel = _valid_rows_kernel()
     out_rows, out_scales = out[0], (out[1] if scales is not None else None)
@@ -144,6 +148,24 @@ def _copy_received(out, received, *, valid_rows_only: bool) -> None:
     )
 
 
+def _needs_gpu(problem: OpProblem) -> str | None:
+    if problem.platform != "gpu":
+        return f"a GPU (Triton) kernel, not for {problem.platform!r}; use 'all_rows'"
+    return None
+
+
+# The receive copies, chosen like every implementation (`moe_jax.registry`); "auto" is
+# "valid_rows" on a GPU (see LL_RECV_COPIES' comment), else "all_rows".
+RECV_COPIES = Registry(
+    "recv_copy",
+    preference=lambda problem: (
+        ("valid_rows", "all_rows") if problem.platform == "gpu" else ("all_rows",)
+    ),
+)
+RECV_COPIES.register(FunctionImpl("valid_rows", _copy_valid_rows, refuse=_needs_gpu))
+RECV_COPIES.register(FunctionImpl("all_rows", _copy_all_rows))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DeepEPLowLatency:
     """DeepEP low-latency dispatch/combine (module docstring).
@@ -170,8 +192,8 @@ class DeepEPLowLatency:
             num_experts=p.num_experts,
             use_fp8=self.use_fp8,
         )
-        if self.recv_copy not in LL_RECV_COPIES:
-            raise ValueError(f"recv_copy={self.recv_copy!r}; choose from {LL_RECV_COPIES}")
+        if self.recv_copy != AUTO:
+            RECV_COPIES.get(self.recv_copy)  # an unknown name fails here, listing the valid ones
 
     def dispatch(self, x: jax.Array, topk_ids: jax.Array) -> LLDispatched:
         """x bf16[T <= T_max, H], topk_ids int[T, k] global -> `LLDispatched`."""
@@ -193,12 +215,9 @@ class DeepEPLowLatency:
             jax.ShapeDtypeStruct((e_loc, t_tot), jnp.int32),
             jax.ShapeDtypeStruct((e_loc, 2 * p.num_ranks), jnp.int32),
         ]
-        is_gpu = jax.default_backend() == "gpu"
-        copy = self.recv_copy
-        if copy == AUTO:
-            copy = "valid_rows" if is_gpu else "all_rows"
-        if copy == "valid_rows" and not is_gpu:
-            raise ValueError("recv_copy='valid_rows' is a GPU (Triton) kernel; use 'all_rows'")
+        copy = RECV_COPIES.select(
+            self.recv_copy, OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(x.dtype).name)
+        )
         ids_from_words = topk_idx_from_words(torch, deep_ep)
 
         def dispatch(out, x_t, words_t):
@@ -215,11 +234,7 @@ class DeepEPLowLatency:
             if scales is not None:  # [E, T_tot, G] with strides (G * T_tot, 1, T_tot)
                 scales = scales.transpose(1, 2)
             src_info, layout_range = handle[0], handle[1].view(torch.int32)
-            _copy_received(
-                out,
-                (count, rows, scales, src_info, layout_range),
-                valid_rows_only=copy == "valid_rows",
-            )
+            copy(out, (count, rows, scales, src_info, layout_range))
 
         words = dl.topk_idx_words(topk_ids, num_experts=p.num_experts)
         outs = torch_callback(dispatch, results)(x.astype(jnp.bfloat16), words)

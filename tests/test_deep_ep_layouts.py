@@ -230,6 +230,24 @@ def test_adapters_refuse_unsupported_problems_before_touching_deep_ep():
     assert dl.DeepEPProblem(num_ranks=8, **problem).num_local_experts == 8
 
 
+def test_ll_receive_copy_is_chosen_through_its_registry():
+    from moe_jax.interop import deep_ep_ll as dep_ll
+    from moe_jax.registry import NoImplementationError, OpProblem
+
+    copies = dep_ll.RECV_COPIES
+    assert set(copies.names()) == set(dep_ll.LL_RECV_COPIES) - {"auto"}
+    cpu, gpu = (
+        OpProblem(platform="cpu", dtype="bfloat16"),
+        OpProblem(platform="gpu", dtype="bfloat16"),
+    )
+    assert copies.select("auto", cpu).name == "all_rows"
+    assert copies.preference(gpu) == ("valid_rows", "all_rows")
+    with pytest.raises(NoImplementationError, match="valid_rows: a GPU \\(Triton\\) kernel"):
+        copies.select("valid_rows", cpu)
+    with pytest.raises(ValueError, match="unknown recv_copy implementation 'some'.*all_rows"):
+        copies.get("some")
+
+
 def test_topk_idx_words_are_int64_bytes():
     ids = np.array([[0, 5, -1], [7, 8, -3]])
     words = np.asarray(dl.topk_idx_words(jnp.asarray(ids, jnp.int32), num_experts=8))
