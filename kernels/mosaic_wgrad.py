@@ -18,12 +18,17 @@ from moe_jax import grouped_gemm, grouped_gemm_backward
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicWgradConfig:
-    """Tile sizes of `transposed_ragged_dot_mgpu.transposed_ragged_dot` (names as there)."""
+    """Tile sizes of `transposed_ragged_dot_mgpu.transposed_ragged_dot` (names as there).
+
+    The defaults are the fastest of `python -m moe_jax.cli.wgrad_bench --sweep` at shape B on
+    the H200 (2026-12-01, BENCHMARKS.md): 4 concurrent steps instead of 2 took GEMM1's wgrad
+    from 2.15 to 1.51 ms and GEMM2's from 1.11 to 0.79 ms; block_n 256 was 2-3x slower.
+    """
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
-    max_concurrent_steps: int = 2
+    max_concurrent_steps: int = 4
     grid_block_n: int = 4
 
 

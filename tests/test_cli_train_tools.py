@@ -1,4 +1,4 @@
-"""`moe_jax.cli.train_stages`: every stage of the training step is timed forward and backward."""
+"""Training tools of `moe_jax.cli`: per-stage step times and the wgrad bench."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def test_every_stage_is_timed_forward_and_backward(tmp_path, capsys):
 def test_stage_times_refuse_the_masked_layout():
     with pytest.raises(ValueError, match="contiguous layout"):
         train_stages.stage_times(make_layer(SHAPES["small"]), iters=1, experts=MaskedExperts())
+
+
+def test_wgrad_bench_checks_and_times_each_wgrad(tmp_path):
+    """Both GEMMs' wgrads on the small shape: torch (its CPU twin) is checked against the float32
+    XLA wgrad and timed; Mosaic, GPU-only, is reported with its refusal."""
+    pytest.importorskip("torch", reason="the torch wgrad needs torch (moe_jax[torch])")
+    from moe_jax.cli import wgrad_bench
+
+    path = tmp_path / "wgrad.json"
+    assert wgrad_bench.main(["--shapes", "small", "--iters", "1", "--json", str(path)]) == 0
+    rows = {(r["gemm"], r["wgrad"]): r for r in json.loads(path.read_text())}
+    for gemm in ("GEMM1", "GEMM2"):
+        torch_row = rows[(gemm, "torch")]
+        assert torch_row["ms"] > 0 and torch_row["rel error"] < 1e-2, torch_row
+        assert "Mosaic GPU kernels need an NVIDIA GPU" in rows[(gemm, "mosaic")]["skipped"]
