@@ -1,6 +1,6 @@
 """Pallas GPU kernels (Triton backend): permute, unpermute (weight-and-reduce), token counting,
-FP8 group quantization (alone and fused after act(gate) * up), and a grouped GEMM for few rows
-per expert (decode).
+FP8 group quantization (alone and fused after act(gate) * up), a grouped GEMM for few rows per
+expert (decode), and the grouped weight gradient of the training step.
 
 Installed as `moe_jax.kernels`; each kernel runs in interpret mode on CPU with `interpret=True`.
 """
@@ -10,6 +10,7 @@ from moe_jax.kernels.count import CountConfig, count_expert_num_tokens
 from moe_jax.kernels.grouped_gemm import GroupedGemmConfig, grouped_gemm_contiguous
 from moe_jax.kernels.permute import PermuteConfig, permute
 from moe_jax.kernels.unpermute import UnpermuteConfig, unpermute
+from moe_jax.kernels.wgrad import WgradConfig, grouped_wgrad
 
 __all__ = [
     "ActQuantConfig",
@@ -17,10 +18,12 @@ __all__ = [
     "GroupedGemmConfig",
     "PermuteConfig",
     "UnpermuteConfig",
+    "WgradConfig",
     "act_and_quant",
     "count_expert_num_tokens",
     "group_quant",
     "grouped_gemm_contiguous",
+    "grouped_wgrad",
     "permute",
     "unpermute",
 ]

@@ -28,8 +28,9 @@ through them raises, naming the training recipe (`moe_jax.fp8_training`).
 WGRADS implementations: "xla" (a scan over alignment-row blocks accumulating into dw: no E-times
 dense product, one [N, K] block product live at a time; correct everywhere, slow on GPUs) and
 "torch" (`torch._grouped_mm` 2-D x 2-D with `offs`, in `moe_jax.interop.torch_gemm`; its CPU twin
-runs in CI), "mosaic" (JAX's Mosaic GPU `transposed_ragged_dot`, Hopper; named only). "auto":
-"torch" then "xla" on a GPU, "xla" elsewhere.
+runs in CI), "mosaic" (JAX's Mosaic GPU `transposed_ragged_dot`, Hopper; named only), "pallas"
+(a Pallas Triton k-grouped GEMM writing XLA's buffer, `moe_jax.kernels.wgrad`; its interpret twin
+"pallas_interpret" runs on the CPU). "auto": "torch" then "xla" on a GPU, "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ def _wgrad_preference(problem: grouped_gemm.GemmProblem) -> tuple[str, ...]:
 WGRADS: Registry = Registry(
     "grouped wgrad",
     preference=_wgrad_preference,
-    modules={"torch": "moe_jax.interop.torch_gemm", "mosaic": "moe_jax.kernels.mosaic_wgrad"},
+    modules={
+        "torch": "moe_jax.interop.torch_gemm",
+        "mosaic": "moe_jax.kernels.mosaic_wgrad",
+        "pallas": "moe_jax.kernels.wgrad",
+        "pallas_interpret": "moe_jax.kernels.wgrad",
+    },
 )
 
 

@@ -79,6 +79,25 @@ def _wgrad(impl, num_experts: int):
     return jax.jit(fn)
 
 
+def _pallas_configs():
+    import functools
+
+    from moe_jax.kernels.wgrad import WgradConfig, grouped_wgrad
+    from moe_jax.registry import FunctionImpl
+
+    for bm, bn, bk, warps, stages in (
+        (64, 128, 128, 4, 3),
+        (64, 128, 256, 8, 3),
+        (64, 256, 128, 8, 3),
+        (128, 128, 128, 8, 3),
+        (32, 128, 128, 8, 4),
+        (64, 128, 128, 8, 4),
+    ):
+        config = WgradConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        fn = functools.partial(grouped_wgrad, config=config)
+        yield f"pallas m{bm} n{bn} k{bk} w{warps} s{stages}", FunctionImpl("pallas", fn)
+
+
 def run(shape_name: str, *, iters: int, sweep: bool, out=sys.stdout) -> list[dict]:
     rows: list[dict] = []
     for gemm, (dy, x, lay) in wgrad_problems(shape_name).items():
@@ -88,9 +107,9 @@ def run(shape_name: str, *, iters: int, sweep: bool, out=sys.stdout) -> list[dic
         f32 = (dy.astype(jnp.float32), x.astype(jnp.float32), lay.expert_ids, lay.expert_ends)
         with jax.default_matmul_precision("highest"):
             ref = jax.block_until_ready(_wgrad("xla", num_experts)(*f32))
-        candidates = [(name, name) for name in ("torch", "mosaic")]
+        candidates = [(name, name) for name in ("torch", "mosaic", "pallas")]
         if sweep and jax.default_backend() == "gpu":
-            candidates += list(_mosaic_configs())
+            candidates += list(_mosaic_configs()) + list(_pallas_configs())
         for label, impl in candidates:
             row = {"shape": shape_name, "gemm": gemm, "wgrad": label}
             try:
