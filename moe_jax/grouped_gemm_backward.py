@@ -30,7 +30,9 @@ dense product, one [N, K] block product live at a time; correct everywhere, slow
 "torch" (`torch._grouped_mm` 2-D x 2-D with `offs`, in `moe_jax.interop.torch_gemm`; its CPU twin
 runs in CI), "mosaic" (JAX's Mosaic GPU `transposed_ragged_dot`, Hopper; named only), "pallas"
 (a Pallas Triton k-grouped GEMM writing XLA's buffer, `moe_jax.kernels.wgrad`; its interpret twin
-"pallas_interpret" runs on the CPU). "auto": "torch" then "xla" on a GPU, "xla" elsewhere.
+"pallas_interpret" runs on the CPU). "auto" on a GPU: "pallas" first up to
+`PALLAS_WGRAD_MAX_ROWS_PER_EXPERT` layout rows per expert, else "torch" first, "xla" last;
+"xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -51,11 +53,22 @@ FP8_WEIGHTS_MESSAGE = (
 )
 
 
+# H200, 2026-12-01 (`python -m moe_jax.cli.wgrad_bench`, BENCHMARKS.md): with about 600 layout
+# rows per expert (shape B) the Pallas wgrad took 0.94 / 0.49 ms against torch's 1.22 / 0.64 ms
+# (which pays a copy of its result into XLA's buffer); with about 1090 (shape A) they tied
+# (3.99 / 1.99 against 3.98 / 1.94 ms). The crossover lies between; 768 is not measured itself.
+PALLAS_WGRAD_MAX_ROWS_PER_EXPERT = 768
+
+
 def _wgrad_preference(problem: grouped_gemm.GemmProblem) -> tuple[str, ...]:
-    """torch's grouped GEMM on a GPU (device-side group offsets, no host sync), else XLA."""
-    if problem.platform == "gpu":
-        return ("torch", "xla")
-    return ("xla",)
+    """On a GPU: the Pallas kernel for short segments, else torch's grouped GEMM (device-side
+    group offsets, no host sync); XLA last, and alone off a GPU."""
+    if problem.platform != "gpu":
+        return ("xla",)
+    rows_per_expert = problem.num_pairs / max(problem.num_experts, 1)
+    if rows_per_expert <= PALLAS_WGRAD_MAX_ROWS_PER_EXPERT:
+        return ("pallas", "torch", "xla")
+    return ("torch", "pallas", "xla")
 
 
 WGRADS: Registry = Registry(

@@ -206,10 +206,15 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
             rtol=1e-2,
         ),
         "mosaic_wgrad_bf16": Kernel(wgrad, "mosaic", None, rtol=1e-2),
+        "pallas_wgrad_bf16": Kernel(wgrad, "pallas", "pallas_interpret", rtol=1e-2),
         "group_quant": Kernel(
             lambda impl: jax.jit(lambda v: act_quant.group_quant(v, impl=impl))(x),
             "pallas",
             "pallas_interpret",
+            # XLA:GPU's float32 division is not correctly rounded (README): its scales may sit
+            # one ulp from vLLM's formula, which the kernel's div.rn follows, and move an FP8
+            # code one step (0.12% of them at shape B on the H200, 2026-12-01).
+            rtol=None if jax.default_backend() != "gpu" else 1e-2,
         ),
         "act_and_quant": Kernel(
             lambda impl: jax.jit(lambda v: act_quant.act_and_quant(v, impl=impl))(gate_up),

@@ -101,25 +101,34 @@ def test_wgrad_matches_float64_loop(impl, config, dtype):
         assert error <= 1e-2, error
 
 
-def test_auto_keeps_torch_on_gpu_and_names_pallas():
-    """ "auto" is unchanged by the kernel's registration; the name runs it."""
-    problem = grouped_gemm.GemmProblem(
+def _problem(*, platform: str, num_pairs: int, num_experts: int = 4):
+    return grouped_gemm.GemmProblem(
         layout="contiguous",
         n=64,
         k=64,
-        num_experts=4,
-        num_pairs=64,
+        num_experts=num_experts,
+        num_pairs=num_pairs,
         x_dtype="bfloat16",
         w_dtype="bfloat16",
-        platform="cpu",
+        platform=platform,
         alignment=16,
     )
-    assert grouped_gemm_backward.WGRADS.select("auto", problem).name == "xla"
-    assert grouped_gemm_backward.WGRADS.select("pallas_interpret", problem).name == (
-        "pallas_interpret"
-    )
+
+
+def test_auto_order_follows_the_measured_crossover():
+    """GPU: Pallas first up to the crossover's rows per expert (shape B), torch first above
+    (shape A); the CPU takes XLA, and the names still run what they name."""
+    limit = grouped_gemm_backward.PALLAS_WGRAD_MAX_ROWS_PER_EXPERT
+    wgrads = grouped_gemm_backward.WGRADS
+    short = _problem(platform="gpu", num_pairs=4 * limit)
+    long = _problem(platform="gpu", num_pairs=4 * limit + 4)
+    assert wgrads.preference(short) == ("pallas", "torch", "xla")
+    assert wgrads.preference(long) == ("torch", "pallas", "xla")
+    cpu = _problem(platform="cpu", num_pairs=64)
+    assert wgrads.select("auto", cpu).name == "xla"
+    assert wgrads.select("pallas_interpret", cpu).name == "pallas_interpret"
     with pytest.raises(NoImplementationError, match="needs an NVIDIA GPU"):
-        grouped_gemm_backward.WGRADS.select("pallas", problem)
+        wgrads.select("pallas", cpu)
 
 
 @pytest.mark.parametrize(

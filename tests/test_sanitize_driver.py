@@ -58,6 +58,7 @@ def test_the_driver_covers_every_pallas_kernel_family(driver):
         "grouped_gemm_fp8_masked",
         "mosaic_gemm_bf16",
         "mosaic_wgrad_bf16",
+        "pallas_wgrad_bf16",
     } == set(runs)
     assert {k.compiled for k in runs.values()} == {"pallas", "mosaic"}
 
