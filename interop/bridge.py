@@ -38,6 +38,8 @@ from typing import Any
 import jax
 from jax.experimental.buffer_callback import buffer_callback
 
+from moe_jax.registry import current_platform
+
 TORCH_INSTALL_HINT = "pip install 'moe_jax[torch]'"
 _KDL_CPU = 1  # DLPack device type of host memory (kDLCPU)
 
@@ -169,7 +171,7 @@ def torch_callback(
     )
 
     def traced(*args: jax.Array):
-        if jax.default_backend() == "gpu":
+        if current_platform() == "gpu":
             _init_torch_cuda()
         outs = call(*args)
         return outs[0] if is_single else tuple(outs)

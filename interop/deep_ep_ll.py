@@ -16,7 +16,7 @@ from moe_jax.interop import deep_ep_layouts as dl
 from moe_jax.interop.bridge import import_torch, torch_callback
 from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, LLDispatched, LLHandle
-from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry
+from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, current_platform
 
 # How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
 # (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device).
@@ -216,7 +216,7 @@ class DeepEPLowLatency:
             jax.ShapeDtypeStruct((e_loc, 2 * p.num_ranks), jnp.int32),
         ]
         copy = RECV_COPIES.select(
-            self.recv_copy, OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(x.dtype).name)
+            self.recv_copy, OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
         )
         ids_from_words = topk_idx_from_words(torch, deep_ep)
 

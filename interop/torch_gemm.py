@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, grouped_gemm_backward
 from moe_jax.interop import bridge
+from moe_jax.registry import current_platform
 
 _GPU_DTYPES = ("bfloat16", "float8_e4m3fn")
 _CPU_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
@@ -53,7 +54,7 @@ def _zero_empty_groups() -> bool:
     (pytorch/pytorch#172439, open 2026-01): there the result is masked, one more pass over dw.
     Drop this once that issue is fixed.
     """
-    if jax.default_backend() != "gpu":
+    if current_platform() != "gpu":
         return False
     return getattr(jax.devices()[0], "compute_capability", "9.0") != "9.0"
 
@@ -149,7 +150,7 @@ def _compute_operands(x, w, x_scales, w_scales) -> tuple[jax.Array, jax.Array]:
     """Both operands in one dtype torch's grouped GEMM takes; FP8 is dequantized in JAX."""
     a = grouped_gemm.dequant_rows(x, x_scales)
     b = grouped_gemm.dequant_weights(w, w_scales)
-    if jax.default_backend() == "gpu":
+    if current_platform() == "gpu":
         compute = jnp.bfloat16
     else:
         compute = jnp.promote_types(a.dtype, b.dtype)

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 
 from moe_jax import quant
 from moe_jax.activation import act_and_mul
-from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, pallas_then_xla
+from moe_jax.registry import (
+    AUTO,
+    FunctionImpl,
+    OpProblem,
+    Registry,
+    current_platform,
+    pallas_then_xla,
+)
 
 _KERNELS = "moe_jax.kernels.act_quant"
 
@@ -99,7 +106,7 @@ def group_quant(
       >>> float(s[0, 0] * 448)
       2.0
     """
-    problem = OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(x.dtype).name)
+    problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
     chosen = GROUP_QUANTS.select(impl, problem)
     return _without_gradient(lambda v: chosen(v, group_size=group_size))(x)
 
@@ -123,7 +130,7 @@ def act_and_quant(
       TypeError: when differentiated (see NO_GRADIENT_MESSAGE).
     """
     problem = OpProblem(
-        platform=jax.default_backend(), dtype=jnp.dtype(h.dtype).name, activation=activation
+        platform=current_platform(), dtype=jnp.dtype(h.dtype).name, activation=activation
     )
     chosen = ACT_QUANTS.select(impl, problem)
     return _without_gradient(lambda v: chosen(v, activation=activation, group_size=group_size))(h)

@@ -48,7 +48,7 @@ from moe_jax.prepare_finalize import (
     WeightAndReduce,
     scale_by_router_weight,
 )
-from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry
+from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, current_platform
 
 
 def transport_preference(problem: OpProblem) -> tuple[str, ...]:
@@ -92,7 +92,7 @@ class EPConfig:
 
     def resolved_transport(self, dtype=jnp.bfloat16) -> FunctionImpl:
         """The transport that runs here (`TRANSPORTS.select`), for buffers of `dtype`."""
-        problem = OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(dtype).name)
+        problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(dtype).name)
         return TRANSPORTS.select(self.transport, problem)
 
     def capacity(self, num_tokens: int, topk: int) -> int:

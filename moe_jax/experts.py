@@ -30,6 +30,7 @@ from moe_jax._pytree import pytree_dataclass
 from moe_jax.activation import act_and_mul
 from moe_jax.grouped_gemm_backward import grouped_gemm_contiguous, grouped_gemm_masked
 from moe_jax.prepare_finalize import AlreadyReduced, PreparedTokens, WeightAndReduce
+from moe_jax.registry import current_platform
 
 
 @pytree_dataclass
@@ -118,7 +119,7 @@ def select_gemms(
             num_pairs=num_pairs,
             x_dtype=jnp.dtype(x_dtype).name,
             w_dtype=jnp.dtype(weights.w1.dtype).name,
-            platform=jax.default_backend(),
+            platform=current_platform(),
             alignment=align,
             max_m=max_m,
         )

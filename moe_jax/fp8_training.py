@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import act_quant, grouped_gemm, grouped_gemm_backward, quant
-from moe_jax.registry import AUTO
+from moe_jax.registry import AUTO, current_platform
 
 BLOCK = 128
 
@@ -97,7 +97,7 @@ def fp8_problem(x: jax.Array, w: jax.Array, *, alignment: int | None) -> grouped
         num_pairs=x.shape[0],
         x_dtype=jnp.dtype(quant.FP8_DTYPE).name,
         w_dtype=jnp.dtype(quant.FP8_DTYPE).name,
-        platform=jax.default_backend(),
+        platform=current_platform(),
         alignment=alignment,
     )
 

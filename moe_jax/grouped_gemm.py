@@ -44,7 +44,7 @@ class GemmProblem:
         gives the rows per expert that "auto" weighs (decode-size calls want small row blocks).
       x_dtype: name of the activation dtype ("bfloat16", "float32", "float8_e4m3fn").
       w_dtype: name of the weight dtype.
-      platform: "cpu", "gpu", ... as `jax.default_backend()` names it.
+      platform: "cpu", "gpu", ... as `moe_jax.registry.current_platform()` gives it.
       alignment: contiguous layout: rows per expert segment multiple the caller will use, or None
         to take the backend's own `GroupedGemm.alignment`.
       max_m: masked layout: rows per expert block.

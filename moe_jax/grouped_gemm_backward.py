@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
-from moe_jax.registry import AUTO, FunctionImpl, Registry
+from moe_jax.registry import AUTO, FunctionImpl, Registry, current_platform
 
 FP8_WEIGHTS_MESSAGE = (
     "gradients through float8_e4m3fn expert weights are not defined (they are an inference "
@@ -95,7 +95,7 @@ def wgrad_problem(
         num_pairs=dy.shape[0],
         x_dtype=jnp.dtype(dy.dtype).name,
         w_dtype=jnp.dtype(x.dtype).name,
-        platform=jax.default_backend(),
+        platform=current_platform(),
         alignment=alignment,
     )
 
@@ -262,7 +262,7 @@ def _gemm_problem(x: jax.Array, w: jax.Array, statics: GemmStatics, layout: str)
         num_pairs=x.shape[-2] if layout == "contiguous" else x.shape[0] * x.shape[1],
         x_dtype=jnp.dtype(x.dtype).name,
         w_dtype=jnp.dtype(w.dtype).name,
-        platform=jax.default_backend(),
+        platform=current_platform(),
         alignment=statics.alignment,
         max_m=x.shape[1] if layout == "masked" else None,
     )

@@ -29,7 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import layouts
-from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, pallas_then_xla
+from moe_jax.registry import (
+    AUTO,
+    FunctionImpl,
+    OpProblem,
+    Registry,
+    current_platform,
+    pallas_then_xla,
+)
 
 _KERNEL_MODULES = {
     "permute": "moe_jax.kernels.permute",
@@ -56,7 +63,7 @@ COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))
 
 def problem_for(x: jax.Array) -> OpProblem:
     """The `OpProblem` of an op whose main operand is `x`, on the default backend."""
-    return OpProblem(platform=jax.default_backend(), dtype=jnp.dtype(x.dtype).name)
+    return OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
 
 
 def permute(

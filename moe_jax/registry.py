@@ -46,6 +46,8 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+import jax
+
 AUTO = "auto"
 
 
@@ -161,6 +163,17 @@ class Registry(Generic[ImplT]):
         return out
 
 
+def current_platform() -> str:
+    """The platform the next computation runs on, as `jax.default_backend()` names platforms:
+    that of `jax.default_device(...)` when one is set (a context manager or the config), else
+    the default backend. "auto" decides with it, so a program that runs on the CPU devices of a
+    GPU host (`with jax.default_device(jax.devices("cpu")[0]):`) gets CPU implementations."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OpProblem:
     """Static facts that the data-movement and elementwise ops decide on.
@@ -170,7 +183,7 @@ class OpProblem:
     compiled kernel lowers), not in shape limits.
 
     Attributes:
-      platform: "cpu", "gpu", ... as `jax.default_backend()` names it.
+      platform: "cpu", "gpu", ... as `current_platform()` gives it.
       dtype: name of the main operand's dtype.
       activation: the gated activation, for act + quant; None elsewhere.
     """

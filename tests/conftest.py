@@ -8,6 +8,10 @@
   error), and the tests hold float32 to float64 oracles at 1e-5, so every test runs inside
   `jax.default_matmul_precision("highest")`. The library honours that setting; a test of the
   default itself carries the marker `default_matmul_precision` and runs without it.
+- Tests marked `cpu_numerics` hold XLA pipelines to vLLM's rounding bit for bit (or at float32
+  tolerance). XLA:GPU's float32 division is not correctly rounded and its transcendentals and
+  FP8 dots differ, so on a GPU host they run on the CPU device (`jax.default_device`, which the
+  registries' "auto" follows); their GPU-marked parameters, the compiled kernels, stay on the GPU.
 """
 
 import os
@@ -26,6 +30,20 @@ def pytest_collection_modifyitems(config, items):
         # The marker, not `item.keywords`: a parameter id such as "gpu" is a keyword too.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_numerics_on_the_cpu_device(request):
+    node = request.node
+    if (
+        jax.default_backend() == "cpu"
+        or node.get_closest_marker("cpu_numerics") is None
+        or node.get_closest_marker("gpu") is not None
+    ):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import pytest
 from moe_jax.cli import train_stages
 from moe_jax.cli.layer_bench import SHAPES, make_layer
 from moe_jax.experts import MaskedExperts
+from moe_jax.registry import current_platform
 
 STAGES = ["permute", "GEMM1 (xla)", "act*up", "GEMM2 (xla)", "unpermute + reduce", "sum"]
 
@@ -32,15 +33,20 @@ def test_stage_times_refuse_the_masked_layout():
 
 
 def test_wgrad_bench_checks_and_times_each_wgrad(tmp_path):
-    """Both GEMMs' wgrads on the small shape: torch (its CPU twin) is checked against the float32
-    XLA wgrad and timed; Mosaic, GPU-only, is reported with its refusal."""
+    """Both GEMMs' wgrads on the small shape, each checked against the float32 XLA wgrad and
+    timed: torch (its CPU twin off a GPU) everywhere; Mosaic and the compiled Pallas kernel on a
+    GPU, reported with their refusal elsewhere."""
     pytest.importorskip("torch", reason="the torch wgrad needs torch (moe_jax[torch])")
     from moe_jax.cli import wgrad_bench
 
     path = tmp_path / "wgrad.json"
     assert wgrad_bench.main(["--shapes", "small", "--iters", "1", "--json", str(path)]) == 0
     rows = {(r["gemm"], r["wgrad"]): r for r in json.loads(path.read_text())}
+    on_gpu = current_platform() == "gpu"
     for gemm in ("GEMM1", "GEMM2"):
-        torch_row = rows[(gemm, "torch")]
-        assert torch_row["ms"] > 0 and torch_row["rel error"] < 1e-2, torch_row
-        assert "Mosaic GPU kernels need an NVIDIA GPU" in rows[(gemm, "mosaic")]["skipped"]
+        for name in ("torch", "mosaic", "pallas") if on_gpu else ("torch",):
+            row = rows[(gemm, name)]
+            assert row["ms"] > 0 and row["rel error"] < 1e-2, row
+        if not on_gpu:
+            assert "Mosaic GPU kernels need an NVIDIA GPU" in rows[(gemm, "mosaic")]["skipped"]
+            assert "needs an NVIDIA GPU" in rows[(gemm, "pallas")]["skipped"]

@@ -58,6 +58,7 @@ def test_interpret_pipeline_matches_oracle(dtype):
     assert_close(out, expected(inputs), dtype)
 
 
+@pytest.mark.cpu_numerics
 def test_interpret_pipeline_equals_xla_pipeline_bitwise_on_fp8():
     inputs = make_inputs(CPU_PROBLEM, "fp8", np.random.default_rng(12))
     xla = ModularMoE(

@@ -191,6 +191,7 @@ def test_shared_experts_add_a_dense_mlp():
     )
 
 
+@pytest.mark.cpu_numerics  # the layer's "auto" and experts="xla" are one pipeline on the CPU
 @pytest.mark.parametrize("num_shared", [0, 1])
 def test_quantize_matches_fused_moe_on_fp8_weights(num_shared):
     layer = make_layer(FP8_SHAPE, GROUPED_BIAS, num_shared_experts=num_shared)

@@ -17,6 +17,8 @@ import pytest
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, experts_names, fused_moe
 
+pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
+
 EXPERTS_BY_ID = {
     "xla": "xla",
     "xla_masked": "xla_masked",

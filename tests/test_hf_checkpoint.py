@@ -185,8 +185,21 @@ def fp8_deepseek_block():
     assert fp8_sd["experts.down_proj_scale_inv"].shape == (8, 2, 1)
 
     def dequantized(k):
-        pair = {"weight": fp8_sd[k], "weight_scale_inv": fp8_sd[k + "_scale_inv"]}
-        return dequantize.convert(pair)["weight"]
+        """weight * its 128x128 block's scale_inv, in float32, then the block's dtype (the
+        formula transformers' Fp8Dequantize applies; its convert() returns a list instead of a
+        tensor in some transformers 5 releases, 5.17 among them)."""
+        weight, scale = fp8_sd[k].float(), fp8_sd[k + "_scale_inv"].float()
+        rows, cols = weight.shape[-2:]
+        scale = scale.repeat_interleave(128, -2)[..., :rows, :]
+        scale = scale.repeat_interleave(128, -1)[..., :cols]
+        ours = (weight * scale).to(float_sd[k].dtype)
+        theirs = dequantize.convert(
+            {"weight": fp8_sd[k], "weight_scale_inv": fp8_sd[k + "_scale_inv"]}
+        )
+        theirs = theirs["weight"]
+        if isinstance(theirs, torch.Tensor):  # the formula is transformers' where it returns one
+            torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=0)
+        return ours
 
     block.load_state_dict(float_sd | {k: dequantized(k) for k in linears})
     holder = torch.nn.Module()  # replace_with_fp8_linear converts modules named "*.experts"

@@ -16,6 +16,7 @@ import pytest
 
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.grouped_gemm import GEMMS
+from moe_jax.registry import current_platform
 
 TORCH_REASON = "the torch backend needs torch (pip install 'moe_jax[torch]')"
 
@@ -45,6 +46,14 @@ GPU_PROBLEMS = [
     Problem("gpu_wide", 96, 2, 4, 512, 1024, 128),
 ]
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-5}
+
+
+def _torch_tol(dtype: str) -> float:
+    """The torch backend dequantizes FP8 operands to float32 on the CPU but to bf16 on a GPU
+    (torch's CUDA grouped GEMM takes bf16): there FP8 is held to bf16's tolerance."""
+    if dtype == "float8_e4m3fn" and current_platform() == "gpu":
+        return TOL["bfloat16"]
+    return TOL[dtype]
 
 
 def _operands(problem, dtype, seed=0):
@@ -141,7 +150,7 @@ def test_torch_contiguous_matches_oracle(torch_gemm, problem, dtype):
     is_valid = np.asarray(lay.expert_ids) >= 0
     got = np.asarray(y.astype(jnp.float32))[is_valid].astype(np.float64)  # padding: unspecified
     assert not np.isnan(got).any()
-    assert _rel_err(got, ref[is_valid]) < TOL[dtype]
+    assert _rel_err(got, ref[is_valid]) < _torch_tol(dtype)
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
@@ -170,7 +179,7 @@ def test_torch_masked_matches_oracle(torch_gemm, dtype):
     ref = oracles.grouped_gemm_masked(rows_f.reshape(problem.num_experts, max_m, -1), wf, counts)
     is_valid = np.arange(max_m)[None, :] < counts[:, None]
     got = np.asarray(y.astype(jnp.float32), np.float64)
-    assert _rel_err(got[is_valid], ref[is_valid]) < TOL[dtype]
+    assert _rel_err(got[is_valid], ref[is_valid]) < _torch_tol(dtype)
 
 
 def test_torch_zero_rows_need_no_library_call(torch_gemm):
@@ -253,7 +262,7 @@ def test_scale_layout_round_trips_through_the_torch_view():
         assert sfa_t.shape == (*shape[:-2], shape[-1], padded)
         assert np.all(np.asarray(sfa_t)[..., m:] == 0)
         view = deep_gemm.tma_aligned_view(torch.from_dlpack(sfa_t), m)
-        np.testing.assert_array_equal(view.numpy(), np.asarray(s))
+        np.testing.assert_array_equal(view.cpu().numpy(), np.asarray(s))
         # DeepGEMM's "already MN-major and TMA-aligned" condition (get_mn_major_tma_aligned_tensor)
         assert view.stride()[-2:] == (1, padded)
         if len(shape) == 3:

@@ -31,6 +31,8 @@ from moe_jax.kernels.act_quant import (
     group_quant,
 )
 
+pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
+
 IMPLS = [
     pytest.param("reference"),
     pytest.param("pallas_interpret"),
@@ -83,6 +85,13 @@ def _run_group(impl, x, **kwargs):
     return group_quant(x, interpret=impl == "pallas_interpret", **kwargs)
 
 
+def _xla_reference(fn, x):
+    """`fn(x)` jitted on the CPU device: the XLA recipe with correctly rounded float32 division,
+    also when the implementation under test is the compiled kernel on a GPU."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return jax.jit(fn)(x)
+
+
 def _codes(q) -> np.ndarray:
     return np.asarray(q.astype(jnp.float32))
 
@@ -126,7 +135,7 @@ def test_act_and_quant_kernel_is_bitwise_reference(impl, problem):
     The compiled kernel's activation is Triton's own (module docstring): one step allowed."""
     h = _inputs(problem, scale=4.0, salt=2)
     got = _run_act(impl, h, "silu", config=ActQuantConfig(block_m=16))
-    want = jax.jit(act_and_quant_reference)(h)
+    want = _xla_reference(act_and_quant_reference, h)
     if impl == "pallas":
         _assert_within_one_step(*got, *map(np.asarray, want), max_flips=0.01)
     else:
@@ -145,7 +154,7 @@ def test_act_and_quant_rounding_is_bitwise_where_the_activation_is_exact(impl, p
     up = rng.standard_normal((problem.rows, problem.inter)) * 3
     h = jnp.asarray(np.concatenate([gate, up], axis=1), problem.dtype)
     got = _run_act(impl, h, "silu")
-    _assert_bitwise(got, jax.jit(act_and_quant_reference)(h))
+    _assert_bitwise(got, _xla_reference(act_and_quant_reference, h))
     a = oracles.act_and_mul(np.asarray(h.astype(jnp.float32)), "silu", jnp.dtype(h.dtype))
     q_ref, s_ref = oracles.per_token_group_quant_fp8(a.astype(np.float32))
     _assert_bitwise(got, (jnp.asarray(q_ref), s_ref))
@@ -161,7 +170,7 @@ def test_group_quant_is_bitwise_the_oracle(impl, problem):
     assert q.shape == x.shape and scales.shape == (problem.rows, x.shape[1] // 128)
     q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x.astype(jnp.float32)))
     _assert_bitwise((q, scales), (jnp.asarray(q_ref), s_ref))
-    _assert_bitwise((q, scales), jax.jit(group_quant_reference)(x))
+    _assert_bitwise((q, scales), _xla_reference(group_quant_reference, x))
 
 
 def test_bad_inputs_raise():

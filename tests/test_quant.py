@@ -13,6 +13,8 @@ import pytest
 
 from moe_jax import quant
 
+pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
+
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Round trip |dequant(quant(x)) - x| <= half an e4m3 ulp at the group's scale: 2^-4 * amax.
 ROUND_TRIP_RTOL = 2.0**-4

@@ -15,7 +15,14 @@ import pytest
 
 import moe_jax
 from moe_jax import act_quant, grouped_gemm, permute, registry
-from moe_jax.registry import AUTO, FunctionImpl, NoImplementationError, OpProblem, Registry
+from moe_jax.registry import (
+    AUTO,
+    FunctionImpl,
+    NoImplementationError,
+    OpProblem,
+    Registry,
+    current_platform,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +239,13 @@ def _run_permute():
     return permute.permute(X, IDS, num_experts=3, alignment=4)
 
 
+# Built before any recording starts: the permute chooses its own VJP's unpermute by name, which
+# a recorded run of the unpermute would count as a choice of "xla".
+XLA_LAYOUT = permute.permute(X, IDS, num_experts=3, alignment=4, impl="xla")
+
+
 def _run_unpermute():
-    lay = permute.permute(X, IDS, num_experts=3, alignment=4, impl="xla")
-    return permute.unpermute(lay.rows, lay.inverse, jnp.ones(IDS.shape))
+    return permute.unpermute(XLA_LAYOUT.rows, XLA_LAYOUT.inverse, jnp.ones(IDS.shape))
 
 
 def _run_count():
@@ -285,3 +296,13 @@ def test_gemm_registry_auto_runs_the_chosen_backend(monkeypatch):
         assert chosen == ["xla", "xla"]
     assert len(chosen) == 2 and len(ran) == 2
     assert ran == [f"{name}.contiguous" for name in chosen]
+
+
+def test_current_platform_follows_the_default_device():
+    """ "auto" decides for where the computation runs: jax.default_device when set, else the
+    default backend."""
+    assert current_platform() == jax.default_backend()
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert current_platform() == "cpu"
+    with jax.default_device("cpu"):
+        assert current_platform() == "cpu"

@@ -267,7 +267,7 @@ def run_decode_bench(
     plot_path: str | None = None,
     shape: str | None = None,
     variants: Sequence[str] | None = None,
-    progress: TextIO = sys.stderr,
+    progress: TextIO | None = None,
 ) -> int:
     """The `bench --decode` command: prints the table, writes JSON/PNG; returns the exit status.
 
@@ -279,6 +279,7 @@ def run_decode_bench(
       shape: a name from `SHAPES`; None: "deepseek_v3" on a GPU, "tiny" elsewhere.
       variants: `fused_moe` experts names; None: `VARIANTS`.
     """
+    progress = sys.stderr if progress is None else progress
     from moe_jax.cli import layer_report
 
     on_gpu = jax.default_backend() == "gpu"

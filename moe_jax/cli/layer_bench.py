@@ -209,9 +209,11 @@ def run(
     variants: Sequence[str],
     *,
     iters: int,
-    progress: TextIO = sys.stderr,
+    progress: TextIO | None = None,
 ) -> list[dict]:
-    """Table rows for every shape and variant; progress lines go to `progress`."""
+    """Table rows for every shape and variant; progress lines go to `progress` (default: the
+    current sys.stderr, looked up per call so that captured streams see it)."""
+    progress = sys.stderr if progress is None else progress
     rows = []
     steps = len(shape_names) * len(variants)
     step = 0
@@ -260,7 +262,7 @@ def run_layer_bench(
     breakdown: bool = False,
     json_path: str | None = None,
     plot_path: str | None = None,
-    progress: TextIO = sys.stderr,
+    progress: TextIO | None = None,
 ) -> int:
     """The `bench` command: runs, prints the tables, writes JSON/PNG; returns the exit status.
 
@@ -272,6 +274,7 @@ def run_layer_bench(
       json_path: write {"environment", "rows", "breakdown"} there.
       plot_path: write a PNG bar chart there.
     """
+    progress = sys.stderr if progress is None else progress
     from moe_jax.cli import layer_report
 
     shape_names = list(shapes or (["A", "B"] if jax.default_backend() == "gpu" else ["small"]))

@@ -189,9 +189,9 @@ def run_torch_titan(args, ref, *, iters: int) -> dict:
     return row
 
 
-def run(shape_name: str, variants, *, iters: int, out: TextIO = sys.stdout) -> list[dict]:
+def run(shape_name: str, variants, *, iters: int, out: TextIO | None = None) -> list[dict]:
     """Rows (dicts with "shape", "variant", times and gradient errors, or "skipped") for one shape;
-    a header and each row as a JSON line go to `out` as they come."""
+    a header and each row as a JSON line go to `out` (None: sys.stdout) as they come."""
     shape = SHAPES[shape_name]
     layer = make_layer(shape)
     probe = jax.random.normal(jax.random.PRNGKey(7), layer.x.shape, jnp.float32)
@@ -259,7 +259,7 @@ def run_train_bench(
     iters: int = 20,
     json_path: str | None = None,
     plot_path: str | None = None,
-    progress: TextIO = sys.stderr,
+    progress: TextIO | None = None,
 ) -> int:
     """The `bench --train` command: runs, prints the table, writes JSON/PNG; returns the exit code.
 
@@ -271,6 +271,7 @@ def run_train_bench(
       plot_path: write a PNG bar chart of the step times there.
       progress: where the header and each row (a JSON line) go as they come.
     """
+    progress = sys.stderr if progress is None else progress
     from moe_jax.cli import layer_report
 
     shape_names = list(shapes or (["B"] if jax.default_backend() == "gpu" else ["small"]))

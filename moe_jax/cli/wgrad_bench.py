@@ -98,7 +98,8 @@ def _pallas_configs():
         yield f"pallas m{bm} n{bn} k{bk} w{warps} s{stages}", FunctionImpl("pallas", fn)
 
 
-def run(shape_name: str, *, iters: int, sweep: bool, out=sys.stdout) -> list[dict]:
+def run(shape_name: str, *, iters: int, sweep: bool, out=None) -> list[dict]:
+    """Rows for `shape_name`; each is printed as a JSON line to `out` (None: sys.stdout)."""
     rows: list[dict] = []
     for gemm, (dy, x, lay) in wgrad_problems(shape_name).items():
         num_experts = lay.expert_ends.shape[0]
