@@ -45,24 +45,32 @@ def format_breakdown(shape: object, rows: list[dict]) -> str:
 
 
 def plot(
-    rows: list[dict], path: str, *, shapes: Mapping[str, object], baselines: Sequence[str]
+    rows: list[dict],
+    path: str,
+    *,
+    shapes: Mapping[str, object],
+    baselines: Sequence[str],
+    value_key: str = "ms",
+    xlabel: str = "ms per layer forward (log scale; lower is better)",
 ) -> None:
-    """Bar chart of ms per variant, one panel per shape (log scale), written as PNG."""
+    """Bar chart of `row[value_key]` per variant (baselines grey), one log-scale panel per shape
+    in the order the rows name them, written as PNG. Rows without the value are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({r["shape"] for r in rows})
+    names = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
     for ax, shape in zip(axes[0], names, strict=True):
-        timed = [r for r in rows if r["shape"] == shape and "ms" in r]
-        variants = [r["variant"] for r in timed]
-        colors = ["tab:gray" if n in baselines else "tab:blue" for n in variants]
-        bars = ax.barh(variants, [r["ms"] for r in timed], color=colors)
-        ax.bar_label(bars, labels=[f"{r['ms']:.2f} ms" for r in timed], padding=3, fontsize=8)
+        timed = [r for r in rows if r["shape"] == shape and value_key in r]
+        values = [r[value_key] for r in timed]
+        colors = ["tab:gray" if r["variant"] in baselines else "tab:blue" for r in timed]
+        bars = ax.barh([r["variant"] for r in timed], values, color=colors)
+        ax.bar_label(bars, labels=[f"{v:.2f} ms" for v in values], padding=3, fontsize=8)
         ax.set_xscale("log")
-        ax.set_xlabel("ms per layer forward (log scale; lower is better)")
+        ax.set_xlim(right=2 * max(values, default=1.0))  # room for the labels
+        ax.set_xlabel(xlabel)
         ax.set_title(f"{shapes[shape]} on {jax.devices()[0].device_kind}", fontsize=9)
         ax.invert_yaxis()
     fig.tight_layout()

@@ -33,6 +33,7 @@ from typing import TextIO
 import jax
 import jax.numpy as jnp
 
+from moe_jax.cli import layer_report
 from moe_jax.cli.layer_bench import SHAPES, make_layer
 from moe_jax.cli.timing import rel_error, time_calls, time_jax
 from moe_jax.experts import ContiguousExperts
@@ -230,26 +231,14 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """Bar chart of step ms per variant (the baseline grey), one panel per shape, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
-    for ax, shape in zip(axes[0], names, strict=True):
-        timed = [r for r in rows if r["shape"] == shape and "step ms" in r]
-        colors = ["tab:gray" if r["variant"] == BASELINE else "tab:blue" for r in timed]
-        bars = ax.barh([r["variant"] for r in timed], [r["step ms"] for r in timed], color=colors)
-        ax.bar_label(bars, labels=[f"{r['step ms']:.2f} ms" for r in timed], padding=3, fontsize=8)
-        ax.set_xscale("log")
-        ax.set_xlim(right=2 * max((r["step ms"] for r in timed), default=1.0))  # room for labels
-        ax.set_xlabel("ms per training step, forward + backward (log scale; lower is better)")
-        ax.set_title(f"{SHAPES[shape]} on {jax.devices()[0].device_kind}", fontsize=9)
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    layer_report.plot(
+        rows,
+        path,
+        shapes=SHAPES,
+        baselines=(BASELINE,),
+        value_key="step ms",
+        xlabel="ms per training step, forward + backward (log scale; lower is better)",
+    )
 
 
 def run_train_bench(
