@@ -51,10 +51,11 @@ def plot(
     shapes: Mapping[str, object],
     baselines: Sequence[str],
     value_key: str = "ms",
-    xlabel: str = "ms per layer forward (log scale; lower is better)",
+    xlabel: str = "ms per layer forward, lower is better",
 ) -> None:
-    """Bar chart of `row[value_key]` per variant (baselines grey), one log-scale panel per shape
-    in the order the rows name them, written as PNG. Rows without the value are left out."""
+    """Bar chart of `row[value_key]` per variant (baselines grey), one panel per shape in the
+    order the rows name them (log scale where a panel spans more than 20x), written as PNG. Rows
+    without the value are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,9 +69,15 @@ def plot(
         colors = ["tab:gray" if r["variant"] in baselines else "tab:blue" for r in timed]
         bars = ax.barh([r["variant"] for r in timed], values, color=colors)
         ax.bar_label(bars, labels=[f"{v:.2f} ms" for v in values], padding=3, fontsize=8)
-        ax.set_xscale("log")
-        ax.set_xlim(right=2 * max(values, default=1.0))  # room for the labels
-        ax.set_xlabel(xlabel)
+        # Log scale only where the times span more than 20x (bars on a log axis start at its
+        # left edge, so their lengths only compare on a linear one).
+        is_log = bool(values) and max(values) > 20 * min(values)
+        if is_log:
+            ax.set_xscale("log")
+            ax.set_xlim(right=2 * max(values))  # room for the labels
+        else:
+            ax.set_xlim(0, 1.2 * max(values, default=1.0))
+        ax.set_xlabel(xlabel + (" (log scale)" if is_log else ""))
         ax.set_title(f"{shapes[shape]} on {jax.devices()[0].device_kind}", fontsize=9)
         ax.invert_yaxis()
     fig.tight_layout()

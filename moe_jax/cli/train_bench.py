@@ -237,7 +237,7 @@ def plot(rows: list[dict], path: str) -> None:
         shapes=SHAPES,
         baselines=(BASELINE,),
         value_key="step ms",
-        xlabel="ms per training step, forward + backward (log scale; lower is better)",
+        xlabel="ms per training step, forward + backward, lower is better",
     )
 
 
