@@ -15,8 +15,17 @@
 """
 
 import os
+import sys
 
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+
+# `python -m pytest` puts the working directory (the repository root) first on sys.path, which
+# makes the kernels/ and interop/ folders importable as top-level packages. transformers probes
+# for a `kernels` distribution (Hugging Face's kernel hub) and then imported ours that way, which
+# ran every kernel module a second time (tests/test_architecture.py caught it). The tests import
+# the installed package only, so the root leaves sys.path before anything else is imported.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
