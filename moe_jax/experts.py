@@ -197,7 +197,8 @@ class ContiguousExperts(Experts):
         output [M, H] for the router-weight gradient); "activation" 4H + 4I (act(gate) * up is
         recomputed from GEMM1's output); "gemm2" 2H + 4I (also GEMM2's forward is run again);
         "all" nothing inside the layer (the whole forward runs again in the backward). The
-        FP8 recipe keeps FP8 rows and scales instead of bf16 rows. The same names
+        FP8 recipe keeps the same rows plus, per weight, its FP8 transpose and block scales
+        for the dgrad (E * 2I * H + E * H * I bytes, not per token). The same names
         (`RESIDUAL_LAYOUT`, `RESIDUAL_GEMM1`, `RESIDUAL_GEMM2`) serve your own
         `jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names(...))`.
     """
