@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import oracles
 import pytest
 from flax import nnx
 
@@ -98,12 +99,8 @@ def make_state_dict(cfg: dict, seed=0) -> dict[str, np.ndarray]:
 # --- HF module semantics in float64 -----------------------------------------------------------
 
 
-def _silu(v):
-    return v / (1.0 + np.exp(-v))
-
-
 def _mlp(x, gate, up, down):
-    return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
+    return (oracles.ACTIVATIONS["silu"](x @ gate.T) * (x @ up.T)) @ down.T
 
 
 def _topk(values, k):
@@ -263,7 +260,9 @@ def test_fp8_checkpoint(as_torch):
     # (The FP8 layer's own forward is fused_moe's, tested with the layer; on a CPU it is slow.)
     stored = _fp8_checkpoint(sd, as_torch=False)
     dequantized = {
-        k: _dequant_blocks(v, stored[k + "_scale_inv"]) if k + "_scale_inv" in stored else v
+        k: oracles.dequant_per_block(v, stored[k + "_scale_inv"])
+        if k + "_scale_inv" in stored
+        else v
         for k, v in stored.items()
         if not k.endswith("_scale_inv")
     }
@@ -279,12 +278,6 @@ def test_fp8_scales_that_do_not_fit_the_weights_are_refused():
             fp8_sd[k] = np.ones((2, 1), np.float32)  # [1, 1] fits a 128x128 weight
     with pytest.raises(ValueError, match=r"w2: .*scales of shape \(8, 1, 1\).*weight_scale_inv"):
         moe_from_hf(fp8_sd, PREFIX, cfg)
-
-
-def _dequant_blocks(w, scale_inv, block=128):
-    """float64 w * scale_inv, one scale per block x block tile (ragged edge tiles included)."""
-    tiles = np.kron(scale_inv.astype(np.float64), np.ones((block, block)))
-    return w.astype(np.float64) * tiles[: w.shape[0], : w.shape[1]]
 
 
 def test_load_into_existing_layer_casts_and_returns_it():
