@@ -2,8 +2,9 @@
 # On the GPU host, after `source .gpu/install.sh` (see ../shared/device/stage):
 #   bash scripts/gpu_check.sh suite [pytest args]    the whole test suite, every marker (8
 #       pytest-xdist workers where xdist is installed, else one process); args select a part
-#   bash scripts/gpu_check.sh sanitize [memcheck|racecheck] [kernel ...]   compute-sanitizer on
-#       the Pallas kernels (both tools by default; `python3 scripts/sanitize_kernels.py --list`)
+#   bash scripts/gpu_check.sh sanitize [memcheck|racecheck] [--shape b|tiny] [kernel ...]
+#       compute-sanitizer on the Pallas kernels (both tools by default, shape B by default;
+#       `python3 scripts/sanitize_kernels.py --list`)
 #   bash scripts/gpu_check.sh train      training-step bench and per-stage backward times, shapes B and A
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail

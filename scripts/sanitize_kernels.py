@@ -1,7 +1,8 @@
 """Runs every compiled Pallas kernel on a library path once, at layer shape B, for the sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
-    compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 scripts/sanitize_kernels.py --shape tiny
 
 pytest under compute-sanitizer does not finish in 10 minutes, so this script runs each kernel in
 one small process instead: shape B (T=8192 E=128 k=8 H=2048 I=768), with invalid ids, an
@@ -13,7 +14,8 @@ The kernels, each through its front's registry (the names a user passes):
 
 - permute (`PERMUTES` "pallas"): the row gather with and without FP8 scales;
 - unpermute (`UNPERMUTES`): the weighted gather-sum, and the weightless one (permute's VJP);
-- count (`COUNTS`), group_quant (`GROUP_QUANTS`), act_and_quant (`ACT_QUANTS`, silu);
+- count (`COUNTS`), destinations (`DESTINATIONS`: the contiguous layout's inverse, counts and
+  segment ends), group_quant (`GROUP_QUANTS`), act_and_quant (`ACT_QUANTS`, silu);
 - the Pallas grouped GEMM (`GEMMS` "pallas"): the FP8 block-scaled kernel and the unscaled bf16
   one on the contiguous layout, and the FP8 kernel on the masked layout, at decode size (the
   first 256 tokens: where "auto" takes it);
@@ -242,6 +244,16 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
             "pallas",
             "pallas_interpret",
         ),
+        # Raw ids (some negative, some >= E, duplicates in a row): the kernel sends them nowhere.
+        "destinations": Kernel(
+            lambda impl: jax.jit(
+                lambda i: permute.contiguous_destinations(
+                    i, num_experts=e, alignment=layouts.DEFAULT_ALIGNMENT, impl=impl
+                )
+            )(ids),
+            "pallas",
+            "pallas_interpret",
+        ),
     }
 
 
@@ -289,8 +301,23 @@ def main(names: list[str], *, interpret: bool = False, shape: Shape = SHAPE_B) -
     return 0
 
 
+SHAPES = {"b": SHAPE_B, "tiny": SHAPE_TINY}
+
+
+def _parse(argv: list[str]) -> tuple[list[str], Shape]:
+    """`[--shape b|tiny] [kernel ...]`: racecheck simulates every thread's shared-memory access,
+    so it runs at the tiny shape (the same kernels, smaller grids) to finish in minutes."""
+    shape = SHAPE_B
+    if argv[:1] == ["--shape"]:
+        if len(argv) < 2 or argv[1] not in SHAPES:
+            raise SystemExit(f"--shape takes one of {sorted(SHAPES)}")
+        shape, argv = SHAPES[argv[1]], argv[2:]
+    return argv, shape
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--list"]:
         print("\n".join(sorted(kernels(SHAPE_TINY))))
         sys.exit(0)
-    sys.exit(main(sys.argv[1:]))
+    names, shape = _parse(sys.argv[1:])
+    sys.exit(main(names, shape=shape))
