@@ -1,10 +1,13 @@
 """Pallas GPU permute: tokens -> contiguous expert-major rows (`moe_jax.layouts.ContiguousLayout`).
 
 Two steps. The routing metadata (where each (token, slot) lands, per-expert counts, which token
-feeds each output row) is O(T*k) integers and is computed with jnp ops. A Pallas Triton kernel then
-does the heavy part in gather form: one program per block of output rows and hidden columns reads
-the source token of each row and copies it, writing zeros on padding rows. Every output element is
-written exactly once, with no atomics, so interpret mode (CPU tests) runs the same program.
+feeds each output row) is O(T*k) integers: the destinations and counts come from the Pallas
+kernels of `moe_jax.kernels.destinations` (through `moe_jax.permute.DESTINATIONS`, compiled or
+interpreted as this kernel is), and a jnp scatter inverts them into the token of each row. A
+Pallas Triton kernel then does the heavy part in gather form: one program per block of output rows
+and hidden columns reads the source token of each row and copies it, writing zeros on padding
+rows. Every output element is written exactly once, with no atomics, so interpret mode (CPU tests)
+runs the same program.
 
 Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (pairs p = token*k + slot = 0..3):
 
@@ -12,12 +15,6 @@ Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (pairs p = token*k
     rank in expert  0  0  1  2        segment starts (padded)       e0: 0, e1: 4
     dest = start[key] + rank:         inverse = [[4, 0], [5, 6]]
     source (token per output row):    [0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1]
-
-The rank of a pair among earlier pairs of its expert is a two-level scan: pairs are cut into blocks
-of B = `PermuteConfig.block_rank`; a per-block histogram [blocks, E] with an exclusive cumsum over
-blocks counts the earlier blocks, and an in-block comparison [blocks, B, B] counts earlier pairs of
-the same block.
-That is O(T*k*(E + B)) compares fused into reductions, instead of the reference's [T*k, E] cumsum.
 """
 
 from __future__ import annotations
@@ -32,7 +29,8 @@ from jax.experimental.pallas import triton as plt
 
 from moe_jax import layouts
 from moe_jax.kernels import _triton
-from moe_jax.permute import PERMUTES
+from moe_jax.permute import DESTINATIONS, PERMUTES, problem_for
+from moe_jax.registry import AUTO
 
 _ROW_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 # Copies move bits: each row dtype travels as the unsigned integer of its width.
@@ -50,8 +48,6 @@ class PermuteConfig:
       num_stages: Triton pipeline stages (the kernel has no loop; 1 is enough).
       has_eviction_hints: keep token rows in L2 (each is read k times) and stream the output
         rows past it (written once); False issues plain loads and stores.
-      block_rank: (token, slot) pairs per block of the metadata's two-level rank scan (XLA ops:
-        [T*k / block_rank, block_rank, block_rank] compares).
     """
 
     block_m: int = 16
@@ -59,10 +55,9 @@ class PermuteConfig:
     num_warps: int = 4
     num_stages: int = 1
     has_eviction_hints: bool = True
-    block_rank: int = 64
 
     def __post_init__(self):
-        for name in ("block_m", "block_h", "num_warps", "block_rank"):
+        for name in ("block_m", "block_h", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"PermuteConfig.{name}={value} but a power of two is needed")
@@ -197,13 +192,14 @@ def _gather_rows(
 
 
 def routing_metadata(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, block_rank: int = 64
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Destinations of a routing in the contiguous layout (see the module docstring).
 
     Args:
       local_ids: int32[T, k] local ids in [0, E) or -1 (`layouts.map_expert_ids`), T*k > 0.
-      block_rank: pairs per block of the rank scan (a power of two).
+      impl: the `moe_jax.permute.DESTINATIONS` implementation of the destinations and counts;
+        the permute kernel passes "pallas" (or "pallas_interpret" in interpret mode).
 
     Returns:
       (inverse int32[T, k] (-1 invalid), num_tokens_per_expert int32[E], expert_ends int32[E],
@@ -212,27 +208,10 @@ def routing_metadata(
     num_tokens, topk = local_ids.shape
     num_pairs = num_tokens * topk
     flat = local_ids.reshape(-1)
-    key = jnp.where(flat >= 0, flat, num_experts)  # invalid pairs share the sentinel bucket E
-    block = min(block_rank, _triton.next_power_of_2(num_pairs))
-    num_blocks = pl.cdiv(num_pairs, block)
-    blocked = jnp.pad(key, (0, num_blocks * block - num_pairs), constant_values=num_experts)
-    blocked = blocked.reshape(num_blocks, block)
-    experts = jnp.arange(num_experts, dtype=jnp.int32)
-    per_block = jnp.sum(
-        blocked[:, :, None] == experts[None, None, :], axis=1, dtype=jnp.int32
-    )  # [blocks, E]
-    counts = jnp.sum(per_block, axis=0, dtype=jnp.int32)
-    before_block = jnp.cumsum(per_block, axis=0, dtype=jnp.int32) - per_block
-    lanes = jnp.arange(block, dtype=jnp.int32)
-    earlier = lanes[None, :] < lanes[:, None]  # [p, q]: q comes before p
-    same = blocked[:, :, None] == blocked[:, None, :]
-    rank_in_block = jnp.sum(same & earlier[None], axis=2, dtype=jnp.int32)  # [blocks, B]
-    expert = jnp.minimum(blocked, num_experts - 1)
-    rank = jnp.take_along_axis(before_block, expert, axis=1) + rank_in_block
-    padded = (counts + alignment - 1) // alignment * alignment
-    ends = jnp.cumsum(padded, dtype=jnp.int32)
-    dest = (ends - padded)[expert] + rank
-    dest = jnp.where(blocked < num_experts, dest, -1).reshape(-1)[:num_pairs]
+    inverse, counts, ends = DESTINATIONS.select(impl, problem_for(local_ids))(
+        local_ids, num_experts=num_experts, alignment=alignment
+    )
+    dest = inverse.reshape(-1)
     scatter_to = jnp.where(dest >= 0, dest, num_rows)  # out of range -> dropped
     pair_of_row = (
         jnp.full((num_rows,), -1, jnp.int32)
@@ -242,7 +221,7 @@ def routing_metadata(
     has_pair = pair_of_row >= 0
     source = jnp.where(has_pair, pair_of_row // topk, -1)
     expert_ids = jnp.where(has_pair, flat[jnp.maximum(pair_of_row, 0)], -1)
-    return dest.reshape(num_tokens, topk), counts, ends, source, expert_ids
+    return inverse, counts, ends, source, expert_ids
 
 
 def _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment):
@@ -327,7 +306,7 @@ def permute(
         num_experts=num_experts,
         alignment=alignment,
         num_rows=num_rows,
-        block_rank=config.block_rank,
+        impl="pallas_interpret" if interpret else "pallas",
     )
     rows, row_scales = _gather_rows(x, x_scales, source, config=config, interpret=interpret)
     return layouts.ContiguousLayout(

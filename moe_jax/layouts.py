@@ -123,15 +123,19 @@ def contiguous_destinations(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Where each (token, slot) lands in the contiguous layout.
 
+    The pure-JAX reference of `moe_jax.kernels.contiguous_destinations` (front:
+    `moe_jax.permute.contiguous_destinations`).
+
     Args:
-      local_ids: int32[T, k] local ids in [0, E) or -1 (from `map_expert_ids`).
+      local_ids: int32[T, k] local ids in [0, E) or -1 (from `map_expert_ids`); any other id
+        goes nowhere too.
 
     Returns:
       (inverse int32[T, k] with -1 for invalid slots, num_tokens_per_expert int32[E],
       expert_ends int32[E]).
     """
     flat = local_ids.reshape(-1)
-    is_valid = flat >= 0
+    is_valid = (flat >= 0) & (flat < num_experts)
     one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None]).astype(jnp.int32)
     counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
     # Rank of each pair among earlier pairs of the same expert: (token, slot) order.

@@ -1,5 +1,6 @@
 """Layout ops: permute (tokens -> expert-contiguous rows), unpermute (rows -> weighted token sums)
-and per-expert token counts, each with a registry of implementations.
+per-expert token counts and the contiguous layout's destinations, each with a registry of
+implementations.
 
 Implementations, chosen by `impl` through `moe_jax.registry` (the same rule as every op):
 
@@ -42,6 +43,7 @@ _KERNEL_MODULES = {
     "permute": "moe_jax.kernels.permute",
     "unpermute": "moe_jax.kernels.unpermute",
     "count": "moe_jax.kernels.count",
+    "destinations": "moe_jax.kernels.destinations",
 }
 
 
@@ -56,9 +58,11 @@ def _registry(op: str, kernel_module: str) -> Registry:
 PERMUTES = _registry("permute", _KERNEL_MODULES["permute"])
 UNPERMUTES = _registry("unpermute", _KERNEL_MODULES["unpermute"])
 COUNTS = _registry("count_expert_num_tokens", _KERNEL_MODULES["count"])
+DESTINATIONS = _registry("contiguous_destinations", _KERNEL_MODULES["destinations"])
 PERMUTES.register(FunctionImpl("xla", layouts.permute_reference))
 UNPERMUTES.register(FunctionImpl("xla", layouts.unpermute_reference))
 COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))
+DESTINATIONS.register(FunctionImpl("xla", layouts.contiguous_destinations))
 
 
 def problem_for(x: jax.Array) -> OpProblem:
@@ -259,3 +263,30 @@ def count_expert_num_tokens(
     """
     chosen = COUNTS.select(impl, problem_for(topk_ids))
     return chosen(topk_ids, num_local_experts, expert_map)
+
+
+def contiguous_destinations(
+    local_ids: jax.Array, *, num_experts: int, alignment: int, impl: str = AUTO
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each (token, slot) lands in the contiguous layout (see
+    `moe_jax.layouts.contiguous_destinations`); every implementation returns the same bits.
+
+    Args:
+      local_ids: int32[T, k] local ids in [0, E), or -1 (`moe_jax.layouts.map_expert_ids`); ids
+        outside [0, E) go nowhere.
+      num_experts: E.
+      alignment: segment length multiple (128 for DeepGEMM).
+      impl: as for `permute`.
+
+    Returns:
+      (inverse int32[T, k], -1 for slots routed nowhere; num_tokens_per_expert int32[E];
+      expert_ends int32[E]).
+
+    Example:
+      >>> inverse, counts, ends = contiguous_destinations(
+      ...     jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4)
+      >>> inverse.tolist(), counts.tolist(), ends.tolist()
+      ([[4, 0], [5, 6]], [1, 3], [4, 8])
+    """
+    chosen = DESTINATIONS.select(impl, problem_for(local_ids))
+    return chosen(local_ids, num_experts=num_experts, alignment=alignment)

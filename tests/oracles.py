@@ -286,6 +286,27 @@ def permute(x, topk_ids, num_experts: int, *, alignment: int, expert_map=None, x
     )
 
 
+def contiguous_destinations(local_ids, num_experts: int, *, alignment: int):
+    """(inverse int64[T, k], counts int64[E], ends int64[E]) of the contiguous layout, by loops
+    over experts, then tokens, then slots; ids outside [0, E) go nowhere (-1)."""
+    local_ids = np.asarray(local_ids)
+    inverse = np.full(local_ids.shape, -1, np.int64)
+    counts = np.zeros(num_experts, np.int64)
+    ends = np.zeros(num_experts, np.int64)
+    row = 0
+    for e in range(num_experts):
+        start = row
+        for t in range(local_ids.shape[0]):
+            for j in range(local_ids.shape[1]):
+                if local_ids[t, j] == e:
+                    inverse[t, j] = row
+                    row += 1
+        counts[e] = row - start
+        row = start + round_up(counts[e], alignment)
+        ends[e] = row
+    return inverse, counts, ends
+
+
 def masked_layout(x, topk_ids, num_experts: int, *, max_m: int, expert_map=None, x_scales=None):
     """Masked layout by loops: each token takes one row of each expert it picks (slots repeating
     an expert share that row), rows [0, count) of an expert in token order; (token, expert) rows

@@ -252,6 +252,10 @@ def _run_count():
     return permute.count_expert_num_tokens(IDS, 3)
 
 
+def _run_destinations():
+    return permute.contiguous_destinations(IDS, num_experts=3, alignment=4)
+
+
 def _run_group_quant():
     return act_quant.group_quant(X)
 
@@ -264,6 +268,7 @@ OPS = [
     pytest.param(permute.PERMUTES, _run_permute, id="permute"),
     pytest.param(permute.UNPERMUTES, _run_unpermute, id="unpermute"),
     pytest.param(permute.COUNTS, _run_count, id="count"),
+    pytest.param(permute.DESTINATIONS, _run_destinations, id="destinations"),
     pytest.param(act_quant.GROUP_QUANTS, _run_group_quant, id="group_quant"),
     pytest.param(act_quant.ACT_QUANTS, _run_act_quant, id="act_and_quant"),
 ]

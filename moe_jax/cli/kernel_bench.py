@@ -3,10 +3,12 @@
     python -m moe_jax.cli.kernel_bench              # on a GPU: shapes A and B
     python -m moe_jax.cli.kernel_bench --sweep      # also time a few block configs, keep the best
     python -m moe_jax.cli.kernel_bench --tiny --interpret   # CPU smoke run of this script
+    python -m moe_jax.cli.kernel_bench --kernels destinations --sweep   # one kernel family
 
-Kernels: permute (bf16 and FP8 rows with scales), unpermute (weighted gather-sum), group_quant
-(FP8 quantization of the tokens) and act_and_quant (silu(gate) * up + FP8 quantization). Each
-runs through its public front op (`moe_jax.permute.permute(impl=...)`,
+Kernels: permute (bf16 and FP8 rows with scales), the contiguous layout's destinations (inverse,
+counts, segment ends), unpermute (weighted gather-sum), group_quant (FP8 quantization of the
+tokens) and act_and_quant (silu(gate) * up + FP8 quantization). Each runs through its public front
+op (`moe_jax.permute.permute(impl=...)`,
 `moe_jax.act_quant.group_quant(impl=...)`, ...) with `impl="pallas"` (or "pallas_interpret"),
 against `impl="xla"`; `--sweep` also calls the kernel wrappers of `moe_jax.kernels` with other
 configs. Times come from `moe_jax.cli.timing.time_calls` (streamed: medians over samples of
@@ -16,10 +18,12 @@ Bytes moved count each input byte read once and each output byte written once: p
 (+ scales, ids) and writes all M rows of the layout (padding included: it is output) plus the
 metadata; unpermute reads the T*k gathered rows, inverse and weights, and writes [T, H]. The
 copy ceiling is a jitted elementwise pass over a ~2 GB array (bytes read + written). Routing:
-uniform random experts per slot (duplicates allowed), as in an untrained router. "metadata
-alone" times the permute kernel's routing metadata (`moe_jax.kernels.permute.routing_metadata`)
-by itself, which is bound by host dispatch of its small XLA kernels; inside permute that is
-hidden.
+uniform random experts per slot (duplicates allowed), as in an untrained router.
+"destinations" times `moe_jax.permute.contiguous_destinations` (the two Pallas kernels of
+`moe_jax.kernels.destinations` against the XLA reference, bit for bit, alignment 128); "metadata
+alone" times the permute kernel's whole routing metadata (`moe_jax.kernels.permute.
+routing_metadata`: the destinations plus the jnp scatter of each row's source token). A kernel
+that fails to compile or run prints its error and a FAILED row; the other kernels still run.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from moe_jax import act_quant, kernels, layouts
 from moe_jax import permute as permute_op
 from moe_jax.cli import kernel_report
 from moe_jax.cli.timing import time_calls
+from moe_jax.kernels.destinations import heuristic_config as destinations_heuristic
 from moe_jax.kernels.permute import heuristic_config as permute_heuristic
 from moe_jax.kernels.permute import routing_metadata
 from moe_jax.kernels.unpermute import heuristic_config as unpermute_heuristic
@@ -63,9 +68,16 @@ PERMUTE_SWEEP = [
     dict(block_m=8),
     dict(block_m=32, num_warps=8),
     dict(num_warps=8),
-    dict(block_rank=32),
-    dict(block_rank=128),
 ]
+DESTINATIONS_SWEEP = [
+    dict(block_c="c/2"),
+    dict(block_c="2c"),
+    dict(block_p=32),
+    dict(block_p=128),
+    dict(num_warps=8),
+    dict(num_stages=1),
+]
+KERNEL_FAMILIES = ("permute", "destinations", "unpermute", "quant")
 UNPERMUTE_SWEEP = [
     dict(has_eviction_hints=False),
     dict(block_t=2),
@@ -90,7 +102,11 @@ class Timer:
 
 
 def _override(base, change):
-    sizes = {"2h": 2 * base.block_h, "h/2": max(1, base.block_h // 2)}
+    sizes = {}
+    if hasattr(base, "block_h"):
+        sizes.update({"2h": 2 * base.block_h, "h/2": max(1, base.block_h // 2)})
+    if hasattr(base, "block_c"):
+        sizes.update({"2c": 2 * base.block_c, "c/2": max(base.block_p, base.block_c // 2)})
     return dataclasses.replace(base, **{k: sizes.get(v, v) for k, v in change.items()})
 
 
@@ -178,6 +194,7 @@ def _bench_permute(shape, x, q, scales, ids, *, impl, sweep, timer, copy_gbs):
             num_experts=E,
             alignment=layouts.DEFAULT_ALIGNMENT,
             num_rows=num_rows,
+            impl=impl,
         )
     )
     rows.append(
@@ -186,6 +203,64 @@ def _bench_permute(shape, x, q, scales, ids, *, impl, sweep, timer, copy_gbs):
         )
     )
     return rows
+
+
+def _failed_row(kernel: str, shape, error: Exception, copy_gbs: float) -> dict:
+    message = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+    print(f"[{shape.name}] {kernel} FAILED: {message}", flush=True)
+    return kernel_report.row(
+        kernel, shape.name, "int32", us=float("nan"), copy_gbs=copy_gbs, check=f"FAILED {message}"
+    )
+
+
+def _bench_destinations(shape, ids, *, impl, sweep, timer, copy_gbs):
+    """The Pallas destinations against XLA's, on the local ids of the routing (alignment 128)."""
+    E, alignment = shape.num_experts, layouts.DEFAULT_ALIGNMENT
+    local = layouts.map_expert_ids(ids, num_experts=E)
+    front = functools.partial(
+        permute_op.contiguous_destinations, num_experts=E, alignment=alignment
+    )
+    xla = jax.jit(functools.partial(front, impl="xla"))
+    try:
+        candidates = [
+            (f"impl={impl!r} (heuristic config)", jax.jit(functools.partial(front, impl=impl)))
+        ]
+        if sweep:
+            base = destinations_heuristic(local.size, E)
+            for change in DESTINATIONS_SWEEP:
+                try:
+                    config = _override(base, change)
+                except ValueError:  # e.g. block_p past a small shape's chunk
+                    continue
+                candidates.append(
+                    (
+                        str(config),
+                        functools.partial(
+                            kernels.contiguous_destinations,
+                            num_experts=E,
+                            alignment=alignment,
+                            config=config,
+                            interpret=impl == "pallas_interpret",
+                        ),
+                    )
+                )
+        us, name, fn = _fastest(timer, candidates, local)
+        check = "exact" if _is_bit_equal(fn(local), xla(local)) else "MISMATCH"
+    except Exception as error:  # report a lowering failure and go on with the other kernels
+        return [_failed_row("destinations", shape, error, copy_gbs)]
+    return [
+        kernel_report.row(
+            "destinations",
+            shape.name,
+            "int32",
+            us=us,
+            xla_us=timer.us(xla, local),
+            moved=_nbytes(local, *fn(local)),
+            copy_gbs=copy_gbs,
+            check=check,
+            config=name,
+        )
+    ]
 
 
 def _bench_unpermute(shape, x, ids, weights, rng, *, impl, sweep, timer, copy_gbs):
@@ -272,16 +347,21 @@ def run(args: argparse.Namespace) -> tuple[list[dict], float, float]:
     rows = []
     rng = np.random.default_rng(0)
     for shape in [SHAPES[s] for s in args.shapes]:
-        print(f"[{shape.name}] permute, unpermute, quantization", flush=True)
+        print(f"[{shape.name}] {', '.join(args.kernels)}", flush=True)
         T, k, H, E = shape.num_tokens, shape.topk, shape.hidden, shape.num_experts
         ids = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
         weights = jnp.asarray(rng.random((T, k)), jnp.float32)
         x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
         q, scales = act_quant.group_quant(x, impl="xla")
         common = dict(impl=impl, timer=timer, copy_gbs=copy_gbs)
-        rows += _bench_permute(shape, x, q, scales, ids, sweep=args.sweep, **common)
-        rows += _bench_unpermute(shape, x, ids, weights, rng, sweep=args.sweep, **common)
-        rows += _bench_quant(shape, x, rng, **common)
+        if "permute" in args.kernels:
+            rows += _bench_permute(shape, x, q, scales, ids, sweep=args.sweep, **common)
+        if "destinations" in args.kernels:
+            rows += _bench_destinations(shape, ids, sweep=args.sweep, **common)
+        if "unpermute" in args.kernels:
+            rows += _bench_unpermute(shape, x, ids, weights, rng, sweep=args.sweep, **common)
+        if "quant" in args.kernels:
+            rows += _bench_quant(shape, x, rng, **common)
     return rows, copy_gbs, fill_gbs
 
 
@@ -291,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="only the tiny shape (smoke run)")
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     parser.add_argument("--sweep", action="store_true", help="time a few configs, keep the best")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=list(KERNEL_FAMILIES),
+        choices=KERNEL_FAMILIES,
+        help="kernel families to time (default: all)",
+    )
     parser.add_argument("--batches", type=int, default=15, help="timed samples (median)")
     parser.add_argument("--per-batch", type=int, default=20, help="back-to-back calls per sample")
     parser.add_argument("--copy-bytes", type=int, default=2 << 30)
