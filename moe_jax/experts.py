@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from moe_jax._pytree import pytree_dataclass
 from moe_jax.activation import act_and_mul
 from moe_jax.grouped_gemm_backward import grouped_gemm_contiguous, grouped_gemm_masked
 from moe_jax.prepare_finalize import AlreadyReduced, PreparedTokens, WeightAndReduce
-from moe_jax.registry import current_platform
+from moe_jax.registry import NoImplementationError, current_platform
 
 
 @pytree_dataclass
@@ -67,8 +68,87 @@ class ExpertsCall:
     out_dtype: jnp.dtype = jnp.bfloat16
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertsProblem:
+    """Static facts of one experts call (one chunk under chunking), for `unsupported_reason`.
+
+    Attributes:
+      num_tokens: T, tokens the experts get.
+      topk: k, slots per token.
+      num_experts: E, local experts.
+      hidden: H.
+      intermediate: I.
+      x_dtype: name of the rows' dtype ("float8_e4m3fn" when prepare quantized them).
+      mid_dtype: name of the GEMM outputs' dtype (`intermediate_dtype`).
+      group_size: columns per float32 activation scale on the FP8 path, else None.
+      weight_bytes: bytes of the E experts' w1, w2 and block scales (all a call can read of
+        them; a decode step from T=128 on reads nearly all of DeepSeek-V3's 256 experts).
+    """
+
+    num_tokens: int
+    topk: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+    x_dtype: str
+    mid_dtype: str
+    group_size: int | None
+    weight_bytes: int
+
+    @classmethod
+    def of(
+        cls, prepared: PreparedTokens, weights: ExpertWeights, call: ExpertsCall
+    ) -> ExpertsProblem:
+        num_tokens, topk = prepared.topk_ids.shape
+        arrays = (weights.w1, weights.w2, weights.w1_scale, weights.w2_scale)
+        return cls(
+            num_tokens=num_tokens,
+            topk=topk,
+            num_experts=weights.num_experts,
+            hidden=weights.w1.shape[2],
+            intermediate=weights.w2.shape[2],
+            x_dtype=jnp.dtype(prepared.x.dtype).name,
+            mid_dtype=jnp.dtype(intermediate_dtype(prepared.x.dtype, call)).name,
+            group_size=None if call.quant_config is None else call.quant_config.group_size,
+            weight_bytes=sum(_nbytes(a) for a in arrays if a is not None),
+        )
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row of a layout carries through the MLP: the token (H, plus its scales on
+        the FP8 path), GEMM1's output (2I), the activation (I, FP8 plus scales when requantized)
+        and GEMM2's output (H)."""
+        h, i = self.hidden, self.intermediate
+        mid = jnp.dtype(self.mid_dtype).itemsize
+        x_bytes = h * jnp.dtype(self.x_dtype).itemsize
+        act_bytes = i * mid
+        if self.group_size is not None:  # FP8 rows and activations carry float32 group scales
+            x_bytes += -(-h // self.group_size) * 4
+            act_bytes = i + -(-i // self.group_size) * 4
+        return x_bytes + 2 * i * mid + act_bytes + h * mid
+
+
+def _nbytes(a) -> int:
+    return math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+
+
 class Experts(abc.ABC):
-    """Runs the local experts on prepared tokens."""
+    """Runs the local experts on prepared tokens.
+
+    Like every implementation in `moe_jax.registry`, an `Experts` has a `name` and says why it
+    cannot run a problem (`unsupported_reason`, None when it runs); where it refuses, `apply`
+    raises a `NoImplementationError` carrying that reason (`MaskedExperts`' capacity).
+    """
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def unsupported_reason(self, problem: ExpertsProblem) -> str | None:
+        """None if these experts run `problem`, else why not. The GEMM backends are chosen (and
+        may refuse) inside `apply`, through `moe_jax.grouped_gemm.GEMMS`."""
+        del problem
+        return None
 
     @abc.abstractmethod
     def apply(
@@ -402,19 +482,92 @@ def masked_mlp(
     )
 
 
+# The masked layout's capacity rule (MaskedExperts): its buffers may exceed those of the
+# contiguous layout for the same call, at DeepGEMM's 128-row segments, by at most the bytes of
+# the expert weights the call reads.
+MASKED_BOUND_ALIGNMENT = layouts.DEFAULT_ALIGNMENT
+
+
+class MaskedCapacityError(NoImplementationError, ValueError):
+    """`MaskedExperts` refuses a problem: `max_m` asks for more rows than its per-expert capacity.
+
+    A ValueError (the value asked for is too large for this problem) and a
+    `moe_jax.registry.NoImplementationError` (a refusal whose `refusals` maps the experts' name
+    to the reason, as the registries' refusals do).
+
+    Attributes:
+      refusals: {experts name: why}.
+      problem: the `ExpertsProblem` refused.
+    """
+
+    def __init__(self, name: str, problem: ExpertsProblem, why: str):
+        super().__init__("experts", problem, {name: why})
+        self.problem = problem
+
+
+def masked_bound_rows(problem: ExpertsProblem) -> int:
+    """Rows per expert the masked layout may allocate for `problem` by the byte bound (>= 1).
+
+    E * max_m * row_bytes <= weight_bytes + contiguous_rows * row_bytes, with contiguous_rows
+    `layouts.contiguous_num_rows` at `MASKED_BOUND_ALIGNMENT` (see the comment there).
+    """
+    row_bytes = problem.row_bytes
+    contiguous = layouts.contiguous_num_rows(
+        problem.num_tokens, problem.topk, problem.num_experts, MASKED_BOUND_ALIGNMENT
+    )
+    allowed = problem.weight_bytes + contiguous * row_bytes
+    return max(1, allowed // (problem.num_experts * row_bytes))
+
+
+def masked_max_tokens(problem: ExpertsProblem) -> int:
+    """The most tokens a call of `problem`'s shapes may have for max_m = T to be within the bound
+    (at most T; a chunk_size that makes every chunk fit)."""
+
+    def fits(num_tokens: int) -> bool:
+        smaller = dataclasses.replace(problem, num_tokens=num_tokens)
+        return num_tokens <= masked_bound_rows(smaller)
+
+    low, high = 1, max(problem.num_tokens, 1)  # fits(1): the bound is at least one row
+    while low < high:  # the bound grows by k/E rows per token, max_m = T by one: one crossing
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} bytes"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskedExperts(Experts):
     """Experts on the masked layout `[E, max_m, H]`.
 
     A token takes at most one row of an expert (slots repeating an expert share it), so T rows per
-    expert never drop anything; that is also the most this layout allocates.
+    expert never drop anything. The layout holds E * max_m rows whatever the routing, against
+    T * k routed pairs: for T=2048 tokens of DeepSeek-V3 (E=256, k=8) that is 524288 rows for
+    16384 pairs.
+
+    Capacity: `capacity(problem)`, the largest max_m (at most T) for which the layout's buffers
+    (E * max_m rows of `ExpertsProblem.row_bytes`: the token, GEMM1's output, the activation and
+    GEMM2's output) take no more bytes than the contiguous layout's for the same call (at
+    DeepGEMM's 128-row segments) plus the expert weights the call reads. The padding rows of the
+    masked layout thus cost at most one read of the weights, which is a decode step's real work;
+    anything larger is far above the work, and ContiguousExperts runs it. DeepSeek-V3 on one GPU
+    (H=7168, I=2048, FP8: 32032 bytes a row, 10.5 GiB of weights) gets about 1502 + T/32 rows, so
+    max_m = T runs up to T = 1550 and T = 2048 refuses. A request above the capacity raises
+    `MaskedCapacityError` at trace time, before anything is allocated; `unsupported_reason` gives
+    the same reason without raising.
 
     Attributes:
       gemm: as for `ContiguousExperts`.
       act_quant_impl: as for `ContiguousExperts`.
-      max_m: rows per expert, at most T; None means T. A smaller value drops the tokens that do
-        not fit (in token order), so use it only when the routing is known to fit (e.g. DeepEP's
-        per-rank token limit).
+      max_m: rows per expert, at most the capacity; None means T. A smaller value drops the
+        (token, expert) rows that do not fit (in token order; `moe_jax.layouts.MaskedLayout`
+        counts them in `num_dropped`), so use it only when the routing is known to fit (e.g.
+        DeepEP's per-rank token limit).
     """
 
     gemm: str | grouped_gemm.GroupedGemm = "auto"
@@ -422,24 +575,69 @@ class MaskedExperts(Experts):
     max_m: int | None = None
 
     def __post_init__(self):
-        if self.max_m is not None and (not isinstance(self.max_m, int) or self.max_m < 1):
+        if self.max_m is not None and (
+            not isinstance(self.max_m, int) or isinstance(self.max_m, bool) or self.max_m < 1
+        ):
             raise ValueError(f"MaskedExperts(max_m={self.max_m!r}) needs a positive int or None")
 
-    def capacity(self, num_tokens: int) -> int:
-        """Rows per expert for T tokens; raises when `max_m` asks for more than T."""
-        if self.max_m is None:
-            return max(num_tokens, 1)
-        if self.max_m > max(num_tokens, 1):
-            raise ValueError(
+    @property
+    def name(self) -> str:
+        gemm = self.gemm if isinstance(self.gemm, str) else self.gemm.name
+        return gemm + MASKED_SUFFIX
+
+    def unsupported_reason(self, problem: ExpertsProblem) -> str | None:
+        """None when `max_m` is within `capacity`, else what it would allocate and what to do."""
+        num_tokens = max(problem.num_tokens, 1)
+        rows_per_expert = num_tokens if self.max_m is None else self.max_m
+        bound = masked_bound_rows(problem)
+        capacity = min(num_tokens, bound)
+        if rows_per_expert <= capacity:
+            return None
+        if rows_per_expert <= bound:  # within the bytes, above T
+            return (
                 f"MaskedExperts(max_m={self.max_m}) exceeds the per-expert capacity of "
-                f"{num_tokens} rows for T={num_tokens} tokens (a token takes at most one row of "
-                "an expert); pass max_m <= T or None"
+                f"{capacity} rows for T={problem.num_tokens} tokens (a token takes at most one "
+                "row of an expert, so max_m = T never drops); pass max_m <= T or None"
             )
-        return self.max_m
+        num_rows = problem.num_experts * rows_per_expert
+        row_bytes = problem.row_bytes
+        contiguous = layouts.contiguous_num_rows(
+            problem.num_tokens, problem.topk, problem.num_experts, MASKED_BOUND_ALIGNMENT
+        )
+        asked = "max_m=None means T, which never drops" if self.max_m is None else "asked for"
+        chunks = (
+            f"or run at most {masked_max_tokens(problem)} tokens per call (chunk_size); "
+            if self.max_m is None
+            else ""
+        )
+        return (
+            f"MaskedExperts(max_m={self.max_m}) exceeds the per-expert capacity of {capacity} "
+            f"rows for this problem: {rows_per_expert} rows per expert ({asked}) x E="
+            f"{problem.num_experts} = {num_rows} rows of {row_bytes} bytes "
+            f"({_size(num_rows * row_bytes)}: rows, GEMM1 output, activation, GEMM2 output) for "
+            f"{problem.num_tokens * problem.topk} routed (token, slot) pairs, above the bound of "
+            f"{_size(problem.weight_bytes + contiguous * row_bytes)} (the contiguous layout's "
+            f"{contiguous} rows plus the {_size(problem.weight_bytes)} of expert weights the call "
+            "reads). Use ContiguousExperts instead (experts='auto', or the GEMM name without "
+            f"'_masked'), whose rows follow the routed pairs; {chunks}or pass "
+            f"MaskedExperts(max_m=m) with m <= {capacity}, which drops the (token, expert) rows "
+            "past m in token order (MaskedLayout.num_dropped counts them)"
+        )
+
+    def capacity(self, problem: ExpertsProblem) -> int:
+        """Rows per expert for `problem`: `max_m` (None: T) when within the capacity (class
+        docstring).
+
+        Raises:
+          MaskedCapacityError: `max_m` (or T, for None) exceeds the capacity.
+        """
+        if (why := self.unsupported_reason(problem)) is not None:
+            raise MaskedCapacityError(self.name, problem, why)
+        return max(problem.num_tokens, 1) if self.max_m is None else self.max_m
 
     def apply(self, prepared, weights, *, expert_map, call):
         num_tokens, topk = prepared.topk_ids.shape
-        max_m = self.capacity(num_tokens)
+        max_m = self.capacity(ExpertsProblem.of(prepared, weights, call))
         lay = layouts.masked_layout_reference(
             prepared.x,
             prepared.topk_ids,

@@ -311,6 +311,137 @@ def test_masked_experts_with_small_max_m_drop_overflow():
     assert_close(out, expected(dataclasses.replace(inputs, topk_ids=kept)), "float32")
 
 
+# The masked layout's capacity (MaskedExperts docstring): E * max_m * row_bytes may not exceed
+# weight_bytes + contiguous_rows * row_bytes. A float32 shape whose numbers are worked by hand:
+# row_bytes = 4 * (H + 2I + I + H) = 448; weight_bytes = 4 * E * (2I * H + H * I) = 24576;
+# contiguous_rows = round_up(T*k + min(T*k, E) * 127, 128) = round_up(800 + 508, 128) = 1408;
+# capacity = (24576 + 1408 * 448) // (4 * 448) = 655360 // 1792 = 365 rows, below T = 400.
+CAPACITY_PROBLEM = Problem("T400_H32_I16_E4_k2", 400, 32, 16, 4, 2)
+CAPACITY = 365
+
+
+def _capacity_inputs():
+    """CAPACITY_PROBLEM's inputs with duplicate experts in a row and ids outside [0, E)."""
+    rng = np.random.default_rng(oracles.seed("capacity"))
+    inputs = make_inputs(CAPACITY_PROBLEM, "float32", rng, id_low=-1, id_high=5)
+    inputs.topk_ids[:3] = [[2, 2], [-1, 4], [0, 0]]
+    return inputs
+
+
+def test_masked_capacity_is_bounded_by_the_problem():
+    """The hand-worked bound above; at the capacity the layer matches the oracle (nothing drops:
+    about 130 valid pairs per expert), and max_m=None (T = 400) refuses."""
+    from moe_jax.experts import ExpertsProblem, MaskedExperts, masked_bound_rows
+
+    problem = ExpertsProblem(
+        num_tokens=400,
+        topk=2,
+        num_experts=4,
+        hidden=32,
+        intermediate=16,
+        x_dtype="float32",
+        mid_dtype="float32",
+        group_size=None,
+        weight_bytes=24576,
+    )
+    assert problem.row_bytes == 448
+    assert masked_bound_rows(problem) == CAPACITY
+    assert MaskedExperts(max_m=CAPACITY).capacity(problem) == CAPACITY
+    assert MaskedExperts(max_m=CAPACITY).unsupported_reason(problem) is None
+    assert "capacity of 365 rows" in MaskedExperts().unsupported_reason(problem)
+    inputs = _capacity_inputs()
+    out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla", max_m=CAPACITY))
+    assert_close(out, expected(inputs), "float32")
+
+
+def test_masked_capacity_error_names_the_argument_and_capacity():
+    """max_m=None (T = 400 rows per expert) and max_m = capacity + 1 both refuse before anything
+    is compiled: a ValueError that is also the registry's NoImplementationError (with the
+    refusal under the experts' name), naming max_m, the capacity, the rows and the pairs."""
+    from moe_jax import MaskedExperts
+    from moe_jax.experts import MaskedCapacityError
+    from moe_jax.registry import NoImplementationError
+
+    inputs = _capacity_inputs()
+    args = [jnp.asarray(a) for a in (inputs.x, inputs.w1, inputs.w2)]
+    args += [jnp.asarray(inputs.topk_weights), jnp.asarray(inputs.topk_ids)]
+    for max_m, rows in ((None, 1600), (CAPACITY + 1, 1464)):
+        experts = MaskedExperts(gemm="xla", max_m=max_m)
+        with pytest.raises(ValueError) as info:
+            jax.eval_shape(functools.partial(fused_moe, experts=experts), *args)
+        error = info.value
+        assert isinstance(error, MaskedCapacityError)
+        assert isinstance(error, NoImplementationError)
+        why = error.refusals["xla_masked"]
+        assert f"MaskedExperts(max_m={max_m}) exceeds the per-expert capacity of 365 rows" in why
+        assert f"x E=4 = {rows} rows of 448 bytes" in why
+        assert "for 800 routed (token, slot) pairs" in why
+        assert "ContiguousExperts" in why and "max_m=m) with m <= 365" in why
+        assert "num_dropped" in why
+        assert ("chunk_size" in why) == (max_m is None)
+
+
+def test_masked_capacity_follows_the_chunk():
+    """Under chunking the experts see one chunk: max_m = chunk_size tokens fits again."""
+    from moe_jax import MaskedExperts
+
+    inputs = _capacity_inputs()
+    out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla"), chunk_size=200)
+    assert_close(out, expected(inputs), "float32")
+
+
+def _deepseek_v3_args(num_tokens: int):
+    """ShapeDtypeStructs of DeepSeek-V3's experts on one GPU: nothing is allocated."""
+    e, h, i, k = 256, 7168, 2048, 8
+    fp8, f32 = jnp.float8_e4m3fn, jnp.float32
+    shapes = [
+        ((num_tokens, h), jnp.bfloat16),
+        ((e, 2 * i, h), fp8),
+        ((e, h, i), fp8),
+        ((num_tokens, k), f32),
+        ((num_tokens, k), jnp.int32),
+        ((e, 2 * i // 128, h // 128), f32),
+        ((e, h // 128, i // 128), f32),
+    ]
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+
+
+def _trace(experts, num_tokens: int, **kwargs):
+    def layer(x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale):
+        return fused_moe(
+            x,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            w1_scale=w1_scale,
+            w2_scale=w2_scale,
+            experts=experts,
+            **kwargs,
+        )
+
+    return jax.eval_shape(layer, *_deepseek_v3_args(num_tokens))
+
+
+def test_masked_capacity_on_deepseek_v3_shapes():
+    """E=256 H=7168 I=2048 k=8 FP8 (the H200 decode table): T=512 traces on the masked layout,
+    T=2048 (524288 rows for 16384 pairs) refuses whatever the GEMM, before the GEMM is chosen;
+    chunks of the suggested size trace; "auto" runs where the masked layout refuses."""
+    from moe_jax.experts import MaskedCapacityError, masked_max_tokens, resolve_experts
+
+    assert _trace("xla_masked", 512).shape == (512, 7168)
+    for experts in ("xla_masked", "deep_gemm_masked"):
+        with pytest.raises(MaskedCapacityError, match="capacity of 1566 rows") as info:
+            _trace(experts, 2048)
+    why = info.value.refusals["deep_gemm_masked"]
+    assert "524288 rows of 32032 bytes" in why and "16384 routed" in why
+    problem = info.value.problem
+    assert masked_max_tokens(problem) == 1550
+    assert _trace("xla_masked", 2048, chunk_size=1550).shape == (2048, 7168)
+    assert resolve_experts("auto").unsupported_reason(problem) is None
+    assert _trace("auto", 2048).shape == (2048, 7168)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", ["auto", "deep_gemm", "deep_gemm_masked", "pallas"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 33])
