@@ -32,11 +32,13 @@ counts of every other expert block for its segment starts, so it streams the pai
 the pairs into chunks spreads the work over ~64 programs; the price is one more launch and each
 destinations program re-reading the [C, E] histogram (64 x 128 int32 = 32 KiB at shape B, from L2).
 
-Expected H200 cost (not measured yet): shape A (T*k = 32K, E = 32) and B (T*k = 64K, E = 128)
-each launch 2 x 64 programs of 8-16 loop steps of <= 64 x 128 compares; both kernels should take
-a few microseconds, about 2 x 3-5 us with launch latency, against the 78 us of the XLA metadata.
-Register use grows with E_pad^2 (the prefix) and block_p * E_pad (the one-hot): past E = 256 the
-compiler may spill, which costs time, not correctness.
+Measured on the H200 (2026-12-01, BENCHMARKS.md "Routing metadata"): slower than XLA, so
+`"auto"` keeps XLA's destinations (`moe_jax.permute.xla_destinations_first`) and these kernels
+run by name only. ncu at shape B (T*k = 64K, E = 128): histogram 20.4 us, destinations 36.5 us,
+against about 28 us for XLA's fusions; host-timed at shape A, 46.7 us against 41.9. Likely causes,
+not yet profiled: each loop step's 2-D one-hot reductions ([block_p, E_pad] and [block_p,
+block_p]) go through shared memory across warps, and every destinations program repeats the
+[E_pad, E_pad] prefix. A faster form would reduce once per chunk with a dot of one-hot blocks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Pallas GPU permute: tokens -> contiguous expert-major rows (`moe_jax.layouts.ContiguousLayout`).
 
 Two steps. The routing metadata (where each (token, slot) lands, per-expert counts, which token
-feeds each output row) is O(T*k) integers: the destinations and counts come from the Pallas
-kernels of `moe_jax.kernels.destinations` (through `moe_jax.permute.DESTINATIONS`, compiled or
-interpreted as this kernel is), and a jnp scatter inverts them into the token of each row. A
+feeds each output row) is O(T*k) integers: the destinations and counts come from
+`moe_jax.permute.DESTINATIONS` "auto" (XLA fusions: on the H200 they beat the Pallas kernels of
+`moe_jax.kernels.destinations`, see `moe_jax.permute.xla_destinations_first`; interpret mode runs
+the same XLA ops), and a jnp scatter inverts them into the token of each row. A
 Pallas Triton kernel then does the heavy part in gather form: one program per block of output rows
 and hidden columns reads the source token of each row and copies it, writing zeros on padding
 rows. Every output element is written exactly once, with no atomics, so interpret mode (CPU tests)
@@ -198,8 +199,8 @@ def routing_metadata(
 
     Args:
       local_ids: int32[T, k] local ids in [0, E) or -1 (`layouts.map_expert_ids`), T*k > 0.
-      impl: the `moe_jax.permute.DESTINATIONS` implementation of the destinations and counts;
-        the permute kernel passes "pallas" (or "pallas_interpret" in interpret mode).
+      impl: the `moe_jax.permute.DESTINATIONS` implementation of the destinations and counts
+        ("auto", as the permute kernel passes, or a name).
 
     Returns:
       (inverse int32[T, k] (-1 invalid), num_tokens_per_expert int32[E], expert_ends int32[E],
@@ -306,7 +307,6 @@ def permute(
         num_experts=num_experts,
         alignment=alignment,
         num_rows=num_rows,
-        impl="pallas_interpret" if interpret else "pallas",
     )
     rows, row_scales = _gather_rows(x, x_scales, source, config=config, interpret=interpret)
     return layouts.ContiguousLayout(

@@ -7,7 +7,8 @@ Implementations, chosen by `impl` through `moe_jax.registry` (the same rule as e
 - "xla": the pure-JAX references in `moe_jax.layouts`; runs everywhere.
 - "pallas": the Pallas Triton kernels in `moe_jax.kernels`; NVIDIA GPUs only.
 - "pallas_interpret": the same kernels in Pallas interpret mode (CPU tests; never automatic).
-- "auto": "pallas" on a GPU, "xla" elsewhere (`registry.pallas_then_xla`).
+- "auto": "pallas" on a GPU, "xla" elsewhere (`registry.pallas_then_xla`), except for the
+  destinations, where "auto" is "xla" everywhere (`xla_destinations_first`: measured faster).
 
 Every implementation returns bit-identical layouts; unpermute sums in float32 in slot order.
 
@@ -47,18 +48,33 @@ _KERNEL_MODULES = {
 }
 
 
-def _registry(op: str, kernel_module: str) -> Registry:
+def _registry(op: str, kernel_module: str, preference=pallas_then_xla) -> Registry:
     return Registry(
         op,
-        preference=pallas_then_xla,
+        preference=preference,
         modules={"pallas": kernel_module, "pallas_interpret": kernel_module},
     )
+
+
+def xla_destinations_first(problem: OpProblem) -> tuple[str, ...]:
+    """The destinations' preference: XLA on every platform; the Pallas kernels by name only.
+
+    H200 evidence (2026-12-01, ncu device times of one FP8 forward at layer shape B, T=8192
+    E=128 k=8, BENCHMARKS.md "Routing metadata"): the two Pallas kernels take 20.4 + 36.5 us,
+    against about 28 us for XLA's fusions of the same destinations (40.7 us for all of the
+    routing metadata's XLA fusions on 2026-11-29, of which 12.4 us are the ones both keep);
+    host-timed at shape A, 46.7 us against XLA's 41.9.
+    """
+    del problem
+    return ("xla",)
 
 
 PERMUTES = _registry("permute", _KERNEL_MODULES["permute"])
 UNPERMUTES = _registry("unpermute", _KERNEL_MODULES["unpermute"])
 COUNTS = _registry("count_expert_num_tokens", _KERNEL_MODULES["count"])
-DESTINATIONS = _registry("contiguous_destinations", _KERNEL_MODULES["destinations"])
+DESTINATIONS = _registry(
+    "contiguous_destinations", _KERNEL_MODULES["destinations"], preference=xla_destinations_first
+)
 PERMUTES.register(FunctionImpl("xla", layouts.permute_reference))
 UNPERMUTES.register(FunctionImpl("xla", layouts.unpermute_reference))
 COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))

@@ -20,6 +20,7 @@ from moe_jax import kernels, layouts
 from moe_jax import permute as permute_front
 from moe_jax.kernels.destinations import DestinationsConfig, heuristic_config
 from moe_jax.kernels.permute import routing_metadata
+from moe_jax.registry import OpProblem
 
 IMPLS = [
     pytest.param("reference"),
@@ -125,8 +126,12 @@ def test_front_chooses_through_the_registry():
         ), impl
 
 
-def test_permute_metadata_runs_the_destinations_kernel(monkeypatch):
-    # The Pallas permute asks DESTINATIONS for its interpret twin by name; record what ran.
+def test_permute_metadata_takes_destinations_auto(monkeypatch):
+    # The Pallas permute asks DESTINATIONS for "auto", which is XLA on every platform
+    # (moe_jax.permute.xla_destinations_first); record what ran.
+    assert permute_front.DESTINATIONS.preference(OpProblem(platform="gpu", dtype="int32")) == (
+        "xla",
+    )
     ran = []
     select = permute_front.DESTINATIONS.select
 
@@ -140,16 +145,18 @@ def test_permute_metadata_runs_the_destinations_kernel(monkeypatch):
     ids = jnp.asarray(np.random.default_rng(3).integers(-1, 5, (11, 3)), jnp.int32)
     x = jnp.ones((11, 40), jnp.bfloat16)
     got = kernels.permute(x, ids, num_experts=4, alignment=4, interpret=True)
-    assert ran == ["pallas_interpret"]
+    assert ran == ["xla"]
     want = layouts.permute_reference(x, ids, num_experts=4, alignment=4)
     for field in ("expert_ids", "inverse", "num_tokens_per_expert", "expert_ends", "rows"):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    # By name, the routing metadata runs the Pallas kernels (interpret twin) to the same bits.
     local = layouts.map_expert_ids(ids, num_experts=4)
     num_rows = layouts.contiguous_num_rows(11, 3, 4, 4)
     metadata = routing_metadata(
         local, num_experts=4, alignment=4, num_rows=num_rows, impl="pallas_interpret"
     )
     np.testing.assert_array_equal(metadata[0], want.inverse)
+    assert ran[-1] == "pallas_interpret"
 
 
 def test_heuristic_config_shapes():
