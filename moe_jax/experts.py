@@ -265,8 +265,8 @@ class ContiguousExperts(Experts):
       act_quant_impl: implementation of act(gate) * up + FP8 requantization (`moe_jax.act_quant`).
       alignment: rows per expert segment multiple; None takes GEMM1's backend's own (DeepGEMM
         needs 128).
-      wgrad: implementation of the grouped weight gradient in the backward
-        (`moe_jax.grouped_gemm_backward.WGRADS`: "auto", "xla", "torch").
+      wgrad: implementation of the grouped weight gradient in the backward: "auto" or a name
+        in `moe_jax.grouped_gemm_backward.WGRADS` ("xla", "torch", "pallas", "mosaic", ...).
       recipe: None, or `moe_jax.fp8_training.Fp8Training()` to run both GEMMs in FP8 on float
         master weights quantized on the fly, with DeepSeek-V3's backward (H and I multiples of
         128; FP8 weights refused).
@@ -682,8 +682,9 @@ def resolve_experts(experts: str | Experts) -> Experts:
 
     "auto" is `ContiguousExperts()`: every stage "auto", so the GEMM registry decides (DeepGEMM,
     torch, Mosaic, then XLA on a GPU; XLA elsewhere). "xla" is the pure-XLA reference for every
-    stage. Another GEMM name is the contiguous layout with that backend and automatic permute and
-    activation kernels; "<gemm>_masked" is the masked layout with that backend.
+    stage, the backward's weight gradient included, on every platform. Another GEMM name is the
+    contiguous layout with that backend and automatic permute, activation and weight-gradient
+    implementations; "<gemm>_masked" is the masked layout with that backend.
 
     Raises:
       ValueError: an unknown name (the message lists the valid ones).
@@ -696,7 +697,7 @@ def resolve_experts(experts: str | Experts) -> Experts:
     if experts == "auto":
         return ContiguousExperts()
     if experts == "xla":
-        return ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla")
+        return ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla", wgrad="xla")
     if experts in gemms:
         return ContiguousExperts(gemm=experts)
     base = experts.removesuffix(MASKED_SUFFIX)

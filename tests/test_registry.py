@@ -311,3 +311,30 @@ def test_current_platform_follows_the_default_device():
         assert current_platform() == "cpu"
     with jax.default_device("cpu"):
         assert current_platform() == "cpu"
+
+
+def test_xla_experts_choose_xla_in_every_stage_on_a_gpu_too():
+    """experts="xla" names the pure-XLA reference of every stage, the backward's weight gradient
+    included: on a GPU, where "auto" would take the Pallas kernels, each stage still picks XLA."""
+    from moe_jax import grouped_gemm_backward
+    from moe_jax.experts import resolve_experts
+
+    experts = resolve_experts("xla")
+    gemm = grouped_gemm.GemmProblem(
+        layout="contiguous",
+        n=32,
+        k=32,
+        num_experts=2,
+        num_pairs=8,
+        x_dtype="float32",
+        w_dtype="float32",
+        platform="gpu",
+        alignment=8,
+    )
+    assert grouped_gemm_backward.WGRADS.preference(gemm)[0] != "xla"  # "auto" would not be XLA
+    assert grouped_gemm_backward.WGRADS.select(experts.wgrad, gemm).name == "xla"
+    assert grouped_gemm.GEMMS.select(experts.gemm, gemm).name == "xla"
+    op = OpProblem(platform="gpu", dtype="float32", activation="silu")
+    for ops in (permute.PERMUTES, permute.UNPERMUTES):
+        assert ops.select(experts.permute_impl, op).name == "xla", ops.op
+    assert act_quant.ACT_QUANTS.select(experts.act_quant_impl, op).name == "xla"
