@@ -65,6 +65,8 @@ class DeepEPHighThroughput(PrepareFinalize):
     num_sms: int = HT_NUM_SMS
 
     def __post_init__(self):
+        # The rows' dtype is known only in `prepare` (bf16, or FP8 under a quant config), which
+        # checks again with its itemsize; here the bf16 rows (2 bytes) that every call can send.
         dl.check_ht(num_ranks=self.problem.num_ranks, hidden=self.problem.hidden, hidden_itemsize=2)
         if self.num_sms <= 0 or self.num_sms % 2:
             raise ValueError(f"num_sms={self.num_sms}: DeepEP needs a positive even SM count")
