@@ -56,6 +56,12 @@ def check_moe_inputs(
             f"(w1.shape={w1.shape}, w2.shape={w2.shape}): the last dimension of hidden_states "
             "must be the weights' H"
         )
+    if w1.shape[2] == hidden and w1.shape[1] % 2 == 0 and w1.shape[1] not in (inter, 2 * inter):
+        # w1 is a whole [E, 2I, H] (not the gate half alone, [E, I, H]): w2's I is the odd one.
+        raise ValueError(
+            f"w2.shape={w2.shape} but [E, H, I] = {(num_experts, hidden, w1.shape[1] // 2)} is "
+            f"needed to match w1.shape={w1.shape} (I = w1.shape[1] // 2: gate rows, then up rows)"
+        )
     if w1.shape[2] != hidden or w1.shape[1] != 2 * inter:
         raise ValueError(
             f"w1.shape={w1.shape} but [E, 2I, H] = {(num_experts, 2 * inter, hidden)} is needed "
