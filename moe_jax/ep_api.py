@@ -129,6 +129,8 @@ def ep_fused_moe(
     """
     config = EPConfig(axis_name=axis_name, capacity_per_rank=capacity_per_rank, transport=transport)
     num_experts = w1.shape[0]
+    if axis_name not in mesh.shape:
+        raise ValueError(f"{axis_name=} is not an axis of the mesh; it has {mesh.axis_names}")
     num_ranks = mesh.shape[axis_name]
     if num_experts % num_ranks or hidden_states.shape[0] % num_ranks:
         raise ValueError(

@@ -179,3 +179,12 @@ def test_config_errors():
         EPConfig(axis_name="ep", transport="nccl")
     with pytest.raises(ValueError, match="capacity_per_rank=0"):
         EPConfig(axis_name="ep", capacity_per_rank=0)
+
+
+def test_unknown_mesh_axis_is_named():
+    mesh = jax.make_mesh((1,), ("ep",))
+    x, w1, w2 = jnp.ones((2, 8)), jnp.ones((2, 4, 8)), jnp.ones((2, 8, 2))
+    with pytest.raises(ValueError, match=r"axis_name='tp' is not an axis of the mesh.*'ep'"):
+        ep_fused_moe(
+            mesh, x, w1, w2, jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32), axis_name="tp"
+        )
