@@ -26,7 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+try:
+    from flax import nnx
+except ImportError as error:  # flax is an optional extra
+    raise ImportError(
+        f"moe_jax.hf_loading needs Flax: pip install 'moe_jax[hf]' ({error})"
+    ) from error
 
 from moe_jax import quant
 from moe_jax.flax_layer import MoE

@@ -15,6 +15,8 @@ import sys
 import textwrap
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OPTIONAL = ("flax", "optax", "torch", "transformers", "safetensors", "deep_gemm", "deep_ep")
 
@@ -57,17 +59,21 @@ def test_library_imports_and_runs_without_optional_dependencies():
     assert "ran (2, 8)" in proc.stdout
 
 
-def test_flax_layer_without_flax_names_the_extra():
+@pytest.mark.parametrize(
+    "module,extra",
+    [("moe_jax.flax_layer", "flax"), ("moe_jax.hf_config", "flax"), ("moe_jax.hf_loading", "hf")],
+)
+def test_flax_modules_without_flax_name_the_extra(module, extra):
     proc = _run_without_optional(
-        """
+        f"""
         try:
-            import moe_jax.flax_layer
+            import {module}
         except ImportError as error:
             print(error)
         """
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "pip install 'moe_jax[flax]'" in proc.stdout
+    assert f"pip install 'moe_jax[{extra}]'" in proc.stdout
 
 
 def test_extras_install_what_their_modules_import():
