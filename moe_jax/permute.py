@@ -26,6 +26,7 @@ Index inputs (topk_ids, expert_map, inverse) get no cotangent.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,11 @@ _KERNEL_MODULES = {
 }
 
 
-def _registry(op: str, kernel_module: str, preference=pallas_then_xla) -> Registry:
+def _registry(
+    op: str,
+    kernel_module: str,
+    preference: Callable[[OpProblem], Sequence[str]] = pallas_then_xla,
+) -> Registry:
     return Registry(
         op,
         preference=preference,

@@ -28,7 +28,7 @@ import pytest
 
 from moe_jax import fused_moe, grouped_gemm_backward, layouts, permute, quant
 from moe_jax.activation import act_and_mul
-from moe_jax.experts import ContiguousExperts, MaskedExperts
+from moe_jax.experts import MASKED_SUFFIX, ContiguousExperts, MaskedExperts
 from moe_jax.registry import NoImplementationError
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
@@ -391,7 +391,7 @@ MASKED_CHUNK_SIZE = 256
 
 
 def _gpu_grads(experts, x, w1, w2, topk_weights, ids, probe):
-    is_masked = isinstance(experts, str) and experts.endswith("_masked")
+    is_masked = isinstance(experts, str) and experts.endswith(MASKED_SUFFIX)
     chunk_size = MASKED_CHUNK_SIZE if is_masked else None
 
     def loss(x, w1, w2, topk_weights):
