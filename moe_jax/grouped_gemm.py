@@ -138,13 +138,16 @@ class GroupedGemm(abc.ABC):
 
 
 # Decode crossover: "auto" puts the Pallas grouped GEMM first while the routed pairs per expert
-# (T * k / E) are at most this many. H200, 2026-12-01, jax 0.11.2, DeepSeek-V3 experts on one GPU
-# (E=256, H=7168, I=2048, k=8, FP8 128x128), whole layer, us per forward, Pallas vs DeepGEMM:
-#   pairs/expert 1/32 (T=1): 162 vs 176; 1/4 (T=8): 825 vs 939; 1 (T=32): 2528 vs 3221;
-#   4 (T=128): 3847 vs 3893; 16 (T=512): 4940 vs 4156; 64 (T=2048): 12129 vs 4947.
-# Pallas wins up to 4 and loses from 16 on (its 16-row tiles recompute less but its MMA rate is
-# far below DeepGEMM's once the work turns compute-bound). BENCHMARKS.md, "Decode-size layers".
-PALLAS_MAX_PAIRS_PER_EXPERT = 4
+# (T * k / E) are at most this many. H200, 2026-12-02, jax 0.11.2, DeepSeek-V3 experts on one GPU
+# (E=256, H=7168, I=2048, k=8, FP8 128x128), whole layer, us per forward, Pallas vs DeepGEMM
+# (`python -m moe_jax bench --decode --tokens 1 8 32 128 512 1536 2048`):
+#   pairs/expert 1/32 (T=1): 131 vs 179; 1/4 (T=8): 716 vs 970; 1 (T=32): 2155 vs 3228;
+#   4 (T=128): 3067 vs 3902; 16 (T=512): 3451 vs 4151; 48 (T=1536): 6052 vs 4647;
+#   64 (T=2048): 7619 vs 4863.
+# Pallas wins up to 16 and loses from 48 on (its 16-64-row tiles waste no padding, but its MMA
+# rate is far below DeepGEMM's once the work turns compute-bound); 32 was not measured.
+# BENCHMARKS.md, "Decode-size layers".
+PALLAS_MAX_PAIRS_PER_EXPERT = 16
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:

@@ -1,0 +1,137 @@
+"""`moe_jax.kernels._wide_offsets`: 1-byte arrays of >= 2**31 elements get int64 pointer offsets.
+
+On the CPU the probe kernel is lowered for CUDA without running (`lowering_platforms`), with
+Pallas' `debug=True` printing the Triton IR, and the element offsets of its FP8 load are read
+from that IR: i64 with the patch, i32 without it (JAX's bug, which the second test documents:
+when it fails, JAX counts elements and the patch module can go). On the GPU a grouped GEMM over
+FP8 weights of 2.3e9 elements reads an expert past element 2**31 and must see that expert's
+values, not another's.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from moe_jax import quant
+from moe_jax.kernels import _triton, _wide_offsets
+
+ROWS, COLS = 16, 128
+
+
+def _probe(w_ref, out_ref):
+    out_ref[...] = w_ref[pl.program_id(0), pl.ds(0, ROWS), pl.ds(0, COLS)].astype(jnp.float32)
+
+
+def _load_offset_types(shape, dtype, capsys) -> list[str]:
+    """Element types of the offsets added to the probe's input pointer, from its Triton IR."""
+
+    def run(w):
+        return pl.pallas_call(
+            _probe,
+            grid=(2,),
+            out_shape=jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+            compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
+            debug=True,
+        )(w)
+
+    capsys.readouterr()
+    with _triton.quiet_triton_deprecation():
+        jax.jit(run).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(lowering_platforms=("cuda",))
+    ir = capsys.readouterr().out
+    # The output is float32; the input is the only other pointer.
+    tile = f"{ROWS}x{COLS}"
+    pattern = rf"tt\.addptr .*tensor<{tile}x!tt\.ptr<(?!f32)\w+>>, tensor<{tile}x(i\d+)>"
+    found = re.findall(pattern, ir)
+    assert found, f"no addptr on the {dtype} input in the probe's Triton IR:\n{ir[:2000]}"
+    return found
+
+
+DEEPSEEK_W2 = (256, 7168, 2048)  # 3.76e9 FP8 elements: past 2**31, below 2**32 bytes
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, want",
+    [
+        (DEEPSEEK_W2, quant.FP8_DTYPE, "i64"),
+        ((160, 7168, 2048), jnp.uint8, "i64"),  # 2.35e9 elements
+        ((128, 7168, 2048), quant.FP8_DTYPE, "i32"),  # 1.88e9 elements: int32 holds them
+        ((128, 7168, 2048), jnp.bfloat16, "i32"),  # 3.76e9 bytes, 1.88e9 elements
+        ((256, 7168, 2048), jnp.bfloat16, "i64"),  # past 2**32 bytes: JAX's own int64 case
+    ],
+)
+def test_patched_lowering_widens_only_large_byte_arrays(shape, dtype, want, capsys):
+    assert _triton.WIDE_BYTE_OFFSETS, "the patch did not install on this JAX"
+    assert set(_load_offset_types(shape, dtype, capsys)) == {want}
+
+
+def test_unpatched_lowering_still_wraps(monkeypatch, capsys):
+    """JAX's own lowering picks int32 for the DeepSeek-V3 w2: the bug the patch exists for.
+
+    When this fails, JAX's threshold counts elements: delete `kernels/_wide_offsets.py`, its
+    call in `_triton.py` and the grouped GEMM's uint16 fallback.
+    """
+    from jax._src.pallas.triton import lowering
+
+    patched = lowering._compute_offsets_from_indices
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", patched.__wrapped__)
+    assert set(_load_offset_types(DEEPSEEK_W2, quant.FP8_DTYPE, capsys)) == {"i32"}
+
+
+def test_install_is_idempotent():
+    from jax._src.pallas.triton import lowering
+
+    before = lowering._compute_offsets_from_indices
+    assert _wide_offsets.install() and lowering._compute_offsets_from_indices is before
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, want",
+    [
+        ((2**31,), jnp.uint8, True),
+        ((2**31 - 1,), quant.FP8_DTYPE, False),
+        ((2**31,), jnp.bfloat16, False),
+        ((0,), jnp.int8, False),
+    ],
+)
+def test_needs_wide_offsets(shape, dtype, want):
+    assert _wide_offsets.needs_wide_offsets(shape, dtype) is want
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_reads_an_expert_past_int32_offsets():
+    """FP8 w [160, 7168, 2048] (2.35e9 elements); rows of experts 159 and 3 against their
+    constant weights: with int32 offsets expert 159's load wraps onto other memory."""
+    from moe_jax.kernels.grouped_gemm import grouped_gemm_contiguous
+
+    num_experts, n, k = 160, 7168, 2048
+
+    @jax.jit
+    def make_weights():
+        # w[e] = 0.25 * (1 + e % 7): distinct per neighbouring expert, exact in e4m3.
+        per_expert = 0.25 * (1 + jnp.arange(num_experts) % 7)
+        return jnp.broadcast_to(
+            per_expert.astype(quant.FP8_DTYPE)[:, None, None], (num_experts, n, k)
+        )
+
+    w = make_weights()
+    w_scales = jnp.ones((num_experts, n // 128, k // 128), jnp.float32)
+    experts = np.array([159] * 16 + [3] * 16, np.int32)
+    x = jnp.ones((experts.size, k), quant.FP8_DTYPE)
+    x_scales = jnp.ones((experts.size, k // 128), jnp.float32)
+    y = grouped_gemm_contiguous(
+        x,
+        w,
+        jnp.asarray(experts),
+        x_scales=x_scales,
+        w_scales=w_scales,
+        alignment=16,
+        out_dtype=jnp.float32,
+    )
+    want = k * 0.25 * (1 + experts % 7)
+    np.testing.assert_allclose(np.asarray(y), np.broadcast_to(want[:, None], y.shape), rtol=1e-6)
