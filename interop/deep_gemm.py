@@ -119,6 +119,11 @@ def _library() -> tuple[Any, str | None]:
         return None, f"import deep_gemm failed ({type(e).__name__}: {e}); {INSTALL_HINT}"
 
 
+def unavailable_reason() -> str | None:
+    """Why DeepGEMM cannot be used in this environment (what to install), or None."""
+    return _library()[1]
+
+
 def _resolve(kind: str):
     module, why = _library()
     if module is None:

@@ -12,6 +12,10 @@ Variants (each runs where it can; the table says why one did not):
   torch_deep_gemm_fp8   torch glue (sort, index, quantize in torch ops) + DeepGEMM FP8 (GPU)
   moe_jax_bf16          fused_moe(experts="auto") on bf16 weights
   moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights
+  moe_jax_fp8_graph     the same with DeepGEMM calls XLA may capture into a CUDA graph
+                        (`DeepGemmConfig(command_buffer_compatible=True)`; opt-in, GPU): run it
+                        after moe_jax_fp8 (DeepGEMM must have compiled each shape before the
+                        first capture) and with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ VARIANTS = (
     "torch_deep_gemm_fp8",
     "moe_jax_bf16",
     "moe_jax_fp8",
+    "moe_jax_fp8_graph",
 )
 BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
 
@@ -166,7 +171,12 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         return jax.jit(_sort_pipeline(_mosaic_ragged)), bf16_args
     if name == "moe_jax_bf16":
         return jax.jit(lambda *a: fused_moe(*a, experts="auto")), bf16_args
-    if name == "moe_jax_fp8":
+    if name in ("moe_jax_fp8", "moe_jax_fp8_graph"):
+        experts = "auto"
+        if name == "moe_jax_fp8_graph":
+            experts = _graph_experts()
+            if isinstance(experts, str):
+                return experts
         fp8_args = (
             layer.x,
             layer.w1q,
@@ -178,10 +188,22 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         )
         return jax.jit(
             lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
-                x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts="auto"
+                x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts
             )
         ), fp8_args
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+
+
+def _graph_experts():
+    """`ContiguousExperts` whose DeepGEMM calls are CUDA-graph capturable, or why not here."""
+    if jax.default_backend() != "gpu":
+        return "needs an NVIDIA GPU"
+    from moe_jax.experts import ContiguousExperts
+    from moe_jax.interop import deep_gemm
+
+    backend = deep_gemm.DeepGemm(deep_gemm.DeepGemmConfig(command_buffer_compatible=True))
+    why = deep_gemm.unavailable_reason()
+    return why if why else ContiguousExperts(gemm=backend)
 
 
 def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
@@ -200,7 +222,7 @@ def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
         fn, args = built
         out = fn(*args)
         ms, latency_ms = time_jax(fn, args, iters=iters)
-    ref = refs["fp8" if name.endswith("fp8") else "bf16"]
+    ref = refs["fp8" if "_fp8" in name else "bf16"]
     return dict(ms=ms, latency_ms=latency_ms, rel_err=rel_error(out, ref))
 
 
