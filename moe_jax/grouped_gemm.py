@@ -142,11 +142,12 @@ class GroupedGemm(abc.ABC):
 # (E=256, H=7168, I=2048, k=8, FP8 128x128), whole layer, us per forward, Pallas vs DeepGEMM
 # (`python -m moe_jax bench --decode --tokens 1 8 32 128 512 1536 2048`):
 #   pairs/expert 1/32 (T=1): 131 vs 179; 1/4 (T=8): 716 vs 970; 1 (T=32): 2155 vs 3228;
-#   4 (T=128): 3067 vs 3902; 16 (T=512): 3451 vs 4151; 48 (T=1536): 6052 vs 4647;
-#   64 (T=2048): 7619 vs 4863.
-# Pallas wins up to 16 and loses from 48 on (its 16-64-row tiles waste no padding, but its MMA
-# rate is far below DeepGEMM's once the work turns compute-bound); 32 was not measured.
-# BENCHMARKS.md, "Decode-size layers".
+#   4 (T=128): 3067 vs 3902; 16 (T=512): 3451 vs 4151; 32 (T=1024): 4652 vs 4468;
+#   48 (T=1536): 6052 vs 4647; 64 (T=2048): 7619 vs 4863.
+# Pallas wins up to 16 and loses from 32 on: its 16-row tiles waste no padding, but its MMA rate
+# is far below DeepGEMM's once the work turns compute-bound. Wider segments (alignment 32 or 64,
+# so 32-64-row tiles) do not move the crossover: best of them 4396 at T=1024, 5169 at T=1536,
+# 6819 at T=2048. BENCHMARKS.md, "Decode-size layers".
 PALLAS_MAX_PAIRS_PER_EXPERT = 16
 
 
