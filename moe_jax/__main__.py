@@ -31,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
         help="A, B, small (default: A B on GPU, else small; with --train: B on GPU, else small)",
     )
     bench.add_argument(
-        "--variants", nargs="+", help="subset of variants (default: all; --train has its own)"
+        "--variants",
+        nargs="+",
+        help="subset of variants (default: all; --train and --decode have their own: with "
+        "--decode, fused_moe experts names such as auto deep_gemm pallas deep_gemm_masked)",
     )
     bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     bench.add_argument(
@@ -74,22 +77,17 @@ def _bench(args: argparse.Namespace) -> int:
             plot_path=args.plot,
         )
     if args.decode:
-        if args.shapes or args.variants or args.breakdown:
-            print("--shapes, --variants and --breakdown do not apply to --decode", file=sys.stderr)
+        if args.shapes or args.breakdown:
+            print("--shapes and --breakdown do not apply to --decode", file=sys.stderr)
             return 2
-        try:
-            from moe_jax.cli.decode_bench import run_decode_bench
-        except ModuleNotFoundError as error:
-            if error.name != "moe_jax.cli.decode_bench":
-                raise
-            print(
-                "bench --decode needs moe_jax.cli.decode_bench, which this version of moe_jax "
-                "does not have yet",
-                file=sys.stderr,
-            )
-            return 2
+        from moe_jax.cli.decode_bench import run_decode_bench
+
         return run_decode_bench(
-            tokens=args.tokens, iters=args.iters, json_path=args.json, plot_path=args.plot
+            tokens=args.tokens,
+            iters=args.iters,
+            json_path=args.json,
+            plot_path=args.plot,
+            variants=args.variants,
         )
     if args.tokens is not None:
         print("--tokens applies to bench --decode only", file=sys.stderr)
