@@ -112,9 +112,8 @@ def test_interpret_kernel_equals_xla_bitwise(problem):
 def test_front_chooses_through_the_registry():
     local = jnp.asarray([[1, 0], [1, 1]], jnp.int32)
     problem = permute_front.problem_for(local)
-    assert permute_front.DESTINATIONS.select("auto", problem).name == (
-        "pallas" if jax.default_backend() == "gpu" else "xla"
-    )
+    # XLA on every platform: on the H200 the Pallas kernels are slower (xla_destinations_first).
+    assert permute_front.DESTINATIONS.select("auto", problem).name == "xla"
     for impl in ("auto", "xla", "pallas_interpret"):
         inverse, counts, ends = permute_front.contiguous_destinations(
             local, num_experts=2, alignment=4, impl=impl
