@@ -32,7 +32,7 @@ counts of every other expert block for its segment starts, so it streams the pai
 the pairs into chunks spreads the work over ~64 programs; the price is one more launch and each
 destinations program re-reading the [C, E] histogram (64 x 128 int32 = 32 KiB at shape B, from L2).
 
-Measured on the H200 (2026-12-01, BENCHMARKS.md "Routing metadata"): slower than XLA, so
+Measured on the H200 (2026-12-01, BENCHMARKS.md "Prefill"): slower than XLA, so
 `"auto"` keeps XLA's destinations (`moe_jax.permute.xla_destinations_first`) and these kernels
 run by name only. ncu at shape B (T*k = 64K, E = 128): histogram 20.4 us, destinations 36.5 us,
 against about 28 us for XLA's fusions; host-timed at shape A, 46.7 us against 41.9. Likely causes,

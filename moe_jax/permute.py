@@ -65,7 +65,7 @@ def xla_destinations_first(problem: OpProblem) -> tuple[str, ...]:
     """The destinations' preference: XLA on every platform; the Pallas kernels by name only.
 
     H200 evidence (2026-12-01, ncu device times of one FP8 forward at layer shape B, T=8192
-    E=128 k=8, BENCHMARKS.md "Routing metadata"): the two Pallas kernels take 20.4 + 36.5 us,
+    E=128 k=8, BENCHMARKS.md "Prefill"): the two Pallas kernels take 20.4 + 36.5 us,
     against about 28 us for XLA's fusions of the same destinations (40.7 us for all of the
     routing metadata's XLA fusions on 2026-11-29, of which 12.4 us are the ones both keep);
     host-timed at shape A, 46.7 us against XLA's 41.9.
