@@ -8,9 +8,11 @@ on one GPU, [256, 7168, 2048] = 3.76e9 elements, is such an array: on the H200 t
 read garbage for experts >= 146 (BENCHMARKS.md, issue 12). Masked FP8 activations of
 [256, 1566, 7168] are another.
 
-The fix, applied once by `install()`: for such arrays the offset computation is told the
-element size is 2 bytes, which puts the array past the 2**32-byte threshold and selects int64
-offsets; nothing else in that function reads the dtype. Arrays below 2**31 elements and wider
+The fix, applied once by `install()`: for 1-byte arrays of more than 2**31 elements (so the
+last offset, n - 1, passes int32) the offset computation is told the element size is 2 bytes,
+which puts the array past the 2**32-byte threshold and selects int64 offsets; nothing else in
+that function reads the dtype (jax 0.10.2 and 0.11.2). Sub-byte and bool arrays report one byte
+too and get the same fix. Arrays below 2**31 elements and wider
 dtypes lower exactly as before, so only programs that addressed wrong memory change.
 
 Remove this module once JAX's threshold counts elements: `tests/test_kernels_wide_offsets.py`
@@ -23,15 +25,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from types import ModuleType
 
 import jax.numpy as jnp
 
-INT32_ELEMENTS = 2**31  # first element offset int32 cannot hold
+INT32_ELEMENTS = 2**31  # element offsets 0 .. 2**31 - 1 fit in int32; more elements do not
 
 _PATCHED_MARK = "_moe_jax_wide_byte_offsets"
 
 
-def _lowering_module():
+def _lowering_module() -> ModuleType | None:
     """jax's Pallas Triton lowering module, or None where this JAX has none to patch."""
     try:
         from jax._src.pallas.triton import lowering
@@ -46,9 +49,9 @@ def _lowering_module():
     return lowering
 
 
-def needs_wide_offsets(shape: tuple[int, ...], dtype) -> bool:
-    """True for 1-byte arrays whose element offsets pass int32 (>= 2**31 elements)."""
-    return jnp.dtype(dtype).itemsize == 1 and math.prod(shape) >= INT32_ELEMENTS
+def needs_wide_offsets(shape: tuple[int, ...], dtype: jnp.dtype | type) -> bool:
+    """True for 1-byte arrays whose element offsets pass int32 (more than 2**31 elements)."""
+    return jnp.dtype(dtype).itemsize == 1 and math.prod(shape) > INT32_ELEMENTS
 
 
 def install() -> bool:
@@ -65,14 +68,14 @@ def install() -> bool:
         return True
 
     @functools.wraps(original)
-    def compute_offsets(block_info, nd_indexer):
+    def compute_offsets(block_info, *args, **kwargs):
         aval = block_info.full_shape_dtype
         if needs_wide_offsets(tuple(aval.shape), aval.dtype):
             # Only the int32/int64 choice reads the dtype (full_size); 2 bytes forces int64.
             block_info = dataclasses.replace(
                 block_info, full_shape_dtype=aval.update(dtype=jnp.dtype(jnp.uint16))
             )
-        return original(block_info, nd_indexer)
+        return original(block_info, *args, **kwargs)
 
     setattr(compute_offsets, _PATCHED_MARK, True)
     lowering._compute_offsets_from_indices = compute_offsets

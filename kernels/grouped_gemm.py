@@ -94,11 +94,13 @@ def heuristic_config(
     block_m is the largest power of two <= 64 dividing the alignment and at most the mean
     segment length (M / E rounded up to a power of two, at least 16). FP8 feeds the dot directly
     (upcasting each weight element costs more ALU time than the memory stream leaves, H200
-    sweep of 2026-12-01 in BENCHMARKS.md). Short segments take [16, 64] tiles with 6 pipeline
-    stages (more programs to stream the weights); longer ones [., 128] tiles computed transposed,
-    so the weight rows fill the large side of Hopper's wgmma. `python -m moe_jax.cli.gemm_sweep`
-    times the alternatives: on the H200 (2026-12-02, DeepSeek-V3 shapes, T=1..512) these choices
-    are within 8% of the fastest of 11 candidates for each GEMM and T (BENCHMARKS.md).
+    sweep of 2026-12-01 in BENCHMARKS.md). Short segments take [16, 64] tiles (more programs to
+    stream the weights; 6 pipeline stages for FP8, the only dtype swept); longer ones [., 128]
+    tiles computed transposed, so the weight rows fill the large side of Hopper's wgmma.
+    `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02,
+    DeepSeek-V3 FP8 shapes, T=1..512) these choices are within 4% of the fastest of 11
+    candidates for each GEMM and T, except GEMM1 at T=32 (1434 vs 1316 us for [16, 128]
+    transposed tiles, which lose at T=8), BENCHMARKS.md.
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, min(64, mean_rows)))
@@ -109,7 +111,7 @@ def heuristic_config(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
-        num_stages=3 if is_long else 6,
+        num_stages=3 if is_long else (6 if is_fp8 else 4),
         is_transposed=is_long or not is_fp8,
         is_fp8_dot=is_fp8,
     )
@@ -199,12 +201,12 @@ def _needs_packing(w: jax.Array) -> bool:
     """True for 1-byte weights of 2**31 to 2**32 elements when JAX would address them wrongly.
 
     Pallas Triton computes pointer offsets in int32 unless an operand exceeds 2**32 *bytes*, so
-    element offsets of 1-byte arrays in [2**31, 2**32) wrap (DeepSeek-V3's w2: 3.8e9 elements).
+    element offsets of 1-byte arrays past 2**31 elements wrap (DeepSeek-V3's w2: 3.8e9 elements).
     `moe_jax.kernels._wide_offsets` patches that at import; only where it cannot apply
     (`_triton.WIDE_BYTE_OFFSETS` False) do such weights travel as uint16 byte pairs (half the
     elements; a free bitcast, but the unpacking halved GEMM2's bandwidth on the H200).
     """
-    return not _triton.WIDE_BYTE_OFFSETS and w.dtype.itemsize == 1 and 2**31 <= w.size <= 2**32
+    return not _triton.WIDE_BYTE_OFFSETS and w.dtype.itemsize == 1 and 2**31 < w.size <= 2**32
 
 
 def _compute_dtype(dtype) -> jnp.dtype:

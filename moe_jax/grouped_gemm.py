@@ -146,8 +146,8 @@ class GroupedGemm(abc.ABC):
 #   48 (T=1536): 6052 vs 4647; 64 (T=2048): 7619 vs 4863.
 # Pallas wins up to 16 and loses from 32 on: its 16-row tiles waste no padding, but its MMA rate
 # is far below DeepGEMM's once the work turns compute-bound. Wider segments (alignment 32 or 64,
-# so 32-64-row tiles) do not move the crossover: best of them 4396 at T=1024, 5169 at T=1536,
-# 6819 at T=2048. BENCHMARKS.md, "Decode-size layers".
+# so 32-64-row tiles) win only within noise at T=1024 (4396 vs 4468) and lose at T=1536 (5169
+# vs 4647) and T=2048 (6819 vs 4863), so the layout keeps 16. BENCHMARKS.md, "Decode-size layers".
 PALLAS_MAX_PAIRS_PER_EXPERT = 16
 
 

@@ -42,16 +42,19 @@ def test_interop_bench_refuses_without_a_gpu(capsys):
 @pytest.mark.slow
 def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     """Tiny shape, GEMM2 (interpret mode off a GPU): the heuristic matches float32, every
-    candidate matches the heuristic, and the results come best first."""
+    candidate matches the heuristic within the sweep's tolerance, results come best first."""
     path = tmp_path / "sweep.json"
-    argv = ["--tokens", "2", "--gemms", "2", "--samples", "1", "--json", str(path)]
+    argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1"]
+    argv += ["--json", str(path)]
     assert gemm_sweep.main(argv) == 0
     (entry,) = json.loads(path.read_text())["report"]
     assert entry["tokens"] == 2 and entry["gemm"] == 2 and entry["rel_error"] < 1e-5
     results = entry["results"]
     assert "heuristic" in {r["config"] for r in results}
     assert len({r["config"] for r in results}) == len(results) > len(gemm_sweep.CANDIDATES) // 2
-    assert all("failed" not in r and r["rel_to_heuristic"] < 1e-4 for r in results)
+    assert all("failed" not in r for r in results), results
+    if jax.default_backend() == "cpu":  # interpret mode: the same float32 sums in every tiling
+        assert all(r["rel_to_heuristic"] < 1e-4 for r in results)
     times = [r["us"] for r in results]
     assert times == sorted(times) and all(r["gbs"] > 0 for r in results)
     assert "T=2 GEMM2" in capsys.readouterr().out

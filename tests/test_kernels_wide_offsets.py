@@ -1,11 +1,11 @@
-"""`moe_jax.kernels._wide_offsets`: 1-byte arrays of >= 2**31 elements get int64 pointer offsets.
+"""`moe_jax.kernels._wide_offsets`: 1-byte arrays of > 2**31 elements get int64 pointer offsets.
 
-On the CPU the probe kernel is lowered for CUDA without running (`lowering_platforms`), with
-Pallas' `debug=True` printing the Triton IR, and the element offsets of its FP8 load are read
-from that IR: i64 with the patch, i32 without it (JAX's bug, which the second test documents:
-when it fails, JAX counts elements and the patch module can go). On the GPU a grouped GEMM over
-FP8 weights of 2.3e9 elements reads an expert past element 2**31 and must see that expert's
-values, not another's.
+On the CPU probe kernels are lowered for CUDA without running (`lowering_platforms`), with
+Pallas' `debug=True` printing the Triton IR, and the element offsets of their FP8 load or store
+are read from that IR: i64 with the patch, i32 without it (JAX's bug, which the second test
+documents: when it fails, JAX counts elements and the patch module can go). On the GPU a
+grouped GEMM over FP8 weights of 2.3e9 elements reads an expert past element 2**31 and must see
+that expert's values, not another's.
 """
 
 from __future__ import annotations
@@ -22,37 +22,42 @@ from moe_jax import quant
 from moe_jax.kernels import _triton, _wide_offsets
 
 ROWS, COLS = 16, 128
+DEEPSEEK_W2 = (256, 7168, 2048)  # 3.76e9 FP8 elements: past 2**31, below 2**32 bytes
+TILE = jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32)
 
 
-def _probe(w_ref, out_ref):
-    out_ref[...] = w_ref[pl.program_id(0), pl.ds(0, ROWS), pl.ds(0, COLS)].astype(jnp.float32)
+def _load_probe(big_ref, out_ref):
+    out_ref[...] = big_ref[pl.program_id(0), pl.ds(0, ROWS), pl.ds(0, COLS)].astype(jnp.float32)
 
 
-def _load_offset_types(shape, dtype, capsys) -> list[str]:
-    """Element types of the offsets added to the probe's input pointer, from its Triton IR."""
+def _store_probe(tile_ref, big_ref):
+    big_ref[pl.program_id(0), pl.ds(0, ROWS), pl.ds(0, COLS)] = tile_ref[...].astype(big_ref.dtype)
 
-    def run(w):
+
+def _offset_types(shape, dtype, capsys, *, store: bool = False) -> list[str]:
+    """Element types of the offsets added to the pointer of the probe's large operand (its
+    input, or with `store` its output), read from the Triton IR that `debug=True` prints."""
+    big = jax.ShapeDtypeStruct(shape, dtype)
+
+    def run(operand):
         return pl.pallas_call(
-            _probe,
+            _store_probe if store else _load_probe,
             grid=(2,),
-            out_shape=jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+            out_shape=big if store else TILE,
             compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
             debug=True,
-        )(w)
+        )(operand)
 
     capsys.readouterr()
     with _triton.quiet_triton_deprecation():
-        jax.jit(run).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(lowering_platforms=("cuda",))
+        jax.jit(run).trace(TILE if store else big).lower(lowering_platforms=("cuda",))
     ir = capsys.readouterr().out
-    # The output is float32; the input is the only other pointer.
+    # The small operand is float32, so the large one's pointers are the only other ones.
     tile = f"{ROWS}x{COLS}"
     pattern = rf"tt\.addptr .*tensor<{tile}x!tt\.ptr<(?!f32)\w+>>, tensor<{tile}x(i\d+)>"
     found = re.findall(pattern, ir)
-    assert found, f"no addptr on the {dtype} input in the probe's Triton IR:\n{ir[:2000]}"
+    assert found, f"no addptr on the {dtype} operand in the probe's Triton IR:\n{ir[:2000]}"
     return found
-
-
-DEEPSEEK_W2 = (256, 7168, 2048)  # 3.76e9 FP8 elements: past 2**31, below 2**32 bytes
 
 
 @pytest.mark.parametrize(
@@ -65,11 +70,13 @@ DEEPSEEK_W2 = (256, 7168, 2048)  # 3.76e9 FP8 elements: past 2**31, below 2**32 
         ((256, 7168, 2048), jnp.bfloat16, "i64"),  # past 2**32 bytes: JAX's own int64 case
     ],
 )
-def test_patched_lowering_widens_only_large_byte_arrays(shape, dtype, want, capsys):
+@pytest.mark.parametrize("store", [False, True], ids=["load", "store"])
+def test_patched_lowering_widens_only_large_byte_arrays(shape, dtype, want, store, capsys):
     assert _triton.WIDE_BYTE_OFFSETS, "the patch did not install on this JAX"
-    assert set(_load_offset_types(shape, dtype, capsys)) == {want}
+    assert set(_offset_types(shape, dtype, capsys, store=store)) == {want}
 
 
+@pytest.mark.skipif(not _triton.WIDE_BYTE_OFFSETS, reason="the patch did not install")
 def test_unpatched_lowering_still_wraps(monkeypatch, capsys):
     """JAX's own lowering picks int32 for the DeepSeek-V3 w2: the bug the patch exists for.
 
@@ -80,7 +87,7 @@ def test_unpatched_lowering_still_wraps(monkeypatch, capsys):
 
     patched = lowering._compute_offsets_from_indices
     monkeypatch.setattr(lowering, "_compute_offsets_from_indices", patched.__wrapped__)
-    assert set(_load_offset_types(DEEPSEEK_W2, quant.FP8_DTYPE, capsys)) == {"i32"}
+    assert set(_offset_types(DEEPSEEK_W2, quant.FP8_DTYPE, capsys)) == {"i32"}
 
 
 def test_install_is_idempotent():
@@ -93,8 +100,8 @@ def test_install_is_idempotent():
 @pytest.mark.parametrize(
     "shape, dtype, want",
     [
-        ((2**31,), jnp.uint8, True),
-        ((2**31 - 1,), quant.FP8_DTYPE, False),
+        ((2**31 + 1,), jnp.uint8, True),
+        ((2**31,), quant.FP8_DTYPE, False),  # last offset 2**31 - 1 fits in int32
         ((2**31,), jnp.bfloat16, False),
         ((0,), jnp.int8, False),
     ],
@@ -109,6 +116,7 @@ def test_grouped_gemm_reads_an_expert_past_int32_offsets():
     constant weights: with int32 offsets expert 159's load wraps onto other memory."""
     from moe_jax.kernels.grouped_gemm import grouped_gemm_contiguous
 
+    assert _triton.WIDE_BYTE_OFFSETS, "the patch did not install: the uint16 fallback would run"
     num_experts, n, k = 160, 7168, 2048
 
     @jax.jit

@@ -13,9 +13,9 @@ Variants (each runs where it can; the table says why one did not):
   moe_jax_bf16          fused_moe(experts="auto") on bf16 weights
   moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights
   moe_jax_fp8_graph     the same with DeepGEMM calls XLA may capture into a CUDA graph
-                        (`DeepGemmConfig(command_buffer_compatible=True)`; opt-in, GPU): run it
-                        after moe_jax_fp8 (DeepGEMM must have compiled each shape before the
-                        first capture) and with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
+                        (`DeepGemmConfig(command_buffer_compatible=True)`; GPU; runs only when
+                        named in --variants, best with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
+                        set before the process starts)
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
 from moe_jax.cli.timing import rel_error, time_jax
+from moe_jax.experts import ContiguousExperts, ExpertWeights
 from moe_jax.fused_moe import fused_moe
 from moe_jax.routing import fused_topk
 
@@ -76,6 +77,7 @@ VARIANTS = (
     "moe_jax_fp8",
     "moe_jax_fp8_graph",
 )
+OPT_IN_VARIANTS = ("moe_jax_fp8_graph",)  # run only when named (--variants)
 BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
 
 
@@ -174,7 +176,7 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     if name in ("moe_jax_fp8", "moe_jax_fp8_graph"):
         experts = "auto"
         if name == "moe_jax_fp8_graph":
-            experts = _graph_experts()
+            experts = _graph_experts(layer)
             if isinstance(experts, str):
                 return experts
         fp8_args = (
@@ -194,16 +196,31 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
 
 
-def _graph_experts():
-    """`ContiguousExperts` whose DeepGEMM calls are CUDA-graph capturable, or why not here."""
+def _graph_experts(layer: Layer) -> ContiguousExperts | str:
+    """`ContiguousExperts` whose DeepGEMM calls are CUDA-graph capturable, or why not here.
+
+    DeepGEMM must have JIT-compiled every shape before XLA first captures a call, so this runs
+    the layer once through the plain DeepGEMM backend first.
+    """
     if jax.default_backend() != "gpu":
         return "needs an NVIDIA GPU"
-    from moe_jax.experts import ContiguousExperts
     from moe_jax.interop import deep_gemm
 
     backend = deep_gemm.DeepGemm(deep_gemm.DeepGemmConfig(command_buffer_compatible=True))
-    why = deep_gemm.unavailable_reason()
-    return why if why else ContiguousExperts(gemm=backend)
+    experts = ContiguousExperts(gemm=backend)
+    weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
+    num_tokens, topk = layer.topk_ids.shape
+    try:
+        experts.select_gemms(weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE)
+    except NotImplementedError as refusal:  # NoImplementationError: every reason in its text
+        return str(refusal)
+    warm_up = jax.jit(
+        lambda x, w, tw, ti: fused_moe(
+            x, w.w1, w.w2, tw, ti, w1_scale=w.w1_scale, w2_scale=w.w2_scale, experts="deep_gemm"
+        )
+    )
+    jax.block_until_ready(warm_up(layer.x, weights, layer.topk_weights, layer.topk_ids))
+    return experts
 
 
 def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
@@ -290,7 +307,7 @@ def run_layer_bench(
 
     Args:
       shapes: names from `SHAPES`; None: A and B on a GPU, "small" elsewhere.
-      variants: names from `VARIANTS`; None: all.
+      variants: names from `VARIANTS`; None: all but `OPT_IN_VARIANTS`.
       iters: latency samples per variant (streamed samples: max(3, iters // 2)).
       breakdown: also time each stage of the FP8 forward (`moe_jax.cli.stage_breakdown`).
       json_path: write {"environment", "rows", "breakdown"} there.
@@ -300,7 +317,7 @@ def run_layer_bench(
     from moe_jax.cli import layer_report
 
     shape_names = list(shapes or (["A", "B"] if jax.default_backend() == "gpu" else ["small"]))
-    variants = list(variants or VARIANTS)
+    variants = list(variants or [v for v in VARIANTS if v not in OPT_IN_VARIANTS])
     _check_names(shape_names, sorted(SHAPES), "shape")
     _check_names(variants, VARIANTS, "variant")
     rows = run(shape_names, variants, iters=iters, progress=progress)
