@@ -451,6 +451,48 @@ if measured:
     plt.tight_layout()
     plt.show()
 """),
+    md("""
+## Decode: measured against the weight-read limit
+
+`python -m moe_jax bench --decode --json decode_results.json` times DeepSeek-V3's experts on one
+GPU (E=256, H=7168, I=2048, k=8, FP8) for each T and experts backend, after checking each against
+float32. A decode step's floor is reading the active experts' weights once ("limit", at 4.8 TB/s).
+`decode_results.json` next to this notebook is the H200 run of 2026-12-02 (BENCHMARKS.md); in it,
+"auto" still switched to DeepGEMM above 4 pairs per expert, since moved to 16 from these numbers,
+so the plot shows the backends themselves.
+"""),
+    code("""
+decode_path = pathlib.Path(os.environ.get("MOE_JAX_DECODE_JSON") or "decode_results.json")
+decode = json.loads(decode_path.read_text()) if decode_path.is_file() else None
+if decode is None:
+    print(f"no decode results at {decode_path}: run `python -m moe_jax bench --decode --json ...`")
+else:
+    env = decode["environment"]
+    print(f"{env.get('device')}, jax {env.get('jax')}, {env.get('date')}")
+    rows = decode["rows"]
+    names = [n for n in ("pallas", "deep_gemm", "deep_gemm_masked") if n in rows[0]["variants"]]
+    print(f"{'T':>5} {'experts':>8} {'limit us':>9}" + "".join(f"{n:>18}" for n in names))
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["variants"][n]
+            cells.append(f"{v['us']:>8.0f} ({v['us'] / r['limit_us']:.2f}x)" if "us" in v
+                         else f"{'refused':>18}")
+        print(f"{r['tokens']:>5} {r['active_experts']:>8} {r['limit_us']:>9.0f}"
+              + "".join(f"{c:>18}" for c in cells))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tokens = [r["tokens"] for r in rows]
+    ax.plot(tokens, [r["limit_us"] for r in rows], "k--", label="weight-read limit")
+    ax.plot(tokens, [1.25 * r["limit_us"] for r in rows], "k:", lw=1, label="1.25x limit (goal)")
+    for n in names:
+        pts = [(r["tokens"], r["variants"][n]["us"]) for r in rows if "us" in r["variants"][n]]
+        ax.plot(*zip(*pts, strict=True), "o-", label=n)
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="us per layer (streamed)",
+           title="decode MoE layer, DeepSeek-V3 experts, one H200")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+"""),
 ]
 
 
