@@ -58,3 +58,54 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     times = [r["us"] for r in results]
     assert times == sorted(times) and all(r["gbs"] > 0 for r in results)
     assert "T=2 GEMM2" in capsys.readouterr().out
+
+
+def test_kernel_gaps_summary_counts_overlaps_once_and_ranks_gaps():
+    from moe_jax.cli.kernel_gaps import Gap, KernelEvent, summarize
+
+    events = [  # given out of order; "c" runs on a second stream inside "b"
+        KernelEvent("d", 100.0, 10.0),
+        KernelEvent("a", 0.0, 10.0),
+        KernelEvent("b", 30.0, 40.0),
+        KernelEvent("c", 40.0, 5.0),
+        KernelEvent("e", 111.0, 1.0),
+    ]
+    s = summarize(events, top=2)
+    assert (s.num_kernels, s.span_ns, s.busy_ns) == (5, 112.0, 10.0 + 40.0 + 10.0 + 1.0)
+    assert s.idle_ns == 112.0 - 61.0
+    # gaps: a->b 20, b->d 30 (b, not the shorter c, ends the run), d->e 1
+    assert s.largest == (Gap(30.0, "b", "d"), Gap(20.0, "a", "b"))
+    assert summarize([]).num_kernels == 0 and summarize([]).largest == ()
+
+
+def test_kernel_gaps_splits_forwards_by_kernel_count():
+    from moe_jax.cli.kernel_gaps import KernelEvent, split_forwards
+
+    events = [KernelEvent(f"k{i}", float(i), 0.5) for i in range(7)]
+    parts = split_forwards(events[::-1], 3)
+    assert [[e.name for e in p] for p in parts] == [["k0", "k1", "k2"], ["k3", "k4", "k5"]]
+    with pytest.raises(ValueError, match="kernels_per_forward=0"):
+        split_forwards(events, 0)
+
+
+def test_kernel_gaps_reads_a_real_trace_and_says_when_it_has_no_gpu(tmp_path):
+    """A CPU trace through the same reader: no GPU plane, so no kernels and the planes named."""
+    from moe_jax.cli import kernel_gaps
+
+    fn = jax.jit(lambda x: x * 2 + 1)
+    path = kernel_gaps._trace(fn, (jax.numpy.ones(8),), 2, str(tmp_path))
+    events, where = kernel_gaps.device_kernels(path)
+    if jax.default_backend() == "cpu":
+        assert events == [] and "no GPU kernel events" in where and "/host:CPU" in where
+    else:
+        assert events and where.startswith("/device:GPU")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
+def test_kernel_gaps_refuses_without_a_gpu(capsys):
+    from moe_jax.cli import kernel_gaps
+
+    assert kernel_gaps.main(["--shape", "small"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    assert kernel_gaps.main(["--shape", "Z"]) == 2
+    assert "unknown shape 'Z'" in capsys.readouterr().err
