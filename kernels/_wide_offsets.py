@@ -1,4 +1,4 @@
-"""64-bit pointer offsets for 1-byte arrays of 2**31 elements or more in Pallas Triton kernels.
+"""64-bit pointer offsets for 1-byte arrays of more than 2**31 elements in Pallas Triton kernels.
 
 The bug: Pallas Triton (`_compute_offsets_from_indices` in jax/_src/pallas/triton/lowering.py,
 jax 0.10 and 0.11) computes a ref's element offsets in int32 unless the whole array exceeds
@@ -10,10 +10,11 @@ read garbage for experts >= 146 (BENCHMARKS.md, issue 12). Masked FP8 activation
 
 The fix, applied once by `install()`: for 1-byte arrays of more than 2**31 elements (so the
 last offset, n - 1, passes int32) the offset computation is told the element size is 2 bytes,
-which puts the array past the 2**32-byte threshold and selects int64 offsets; nothing else in
-that function reads the dtype (jax 0.10.2 and 0.11.2). Sub-byte and bool arrays report one byte
-too and get the same fix. Arrays below 2**31 elements and wider
-dtypes lower exactly as before, so only programs that addressed wrong memory change.
+which puts the array past the 2**32-byte threshold and selects int64 offsets. Nothing else in
+that function reads the dtype (read in jax 0.10.2's source; on the H200's jax 0.11.2 the GPU
+test that addresses an expert past 2**31 passes). Sub-byte and bool arrays report one byte too
+and get the same fix. Arrays of at most 2**31 elements and wider dtypes lower exactly as before,
+so only programs that addressed wrong memory change.
 
 Remove this module once JAX's threshold counts elements: `tests/test_kernels_wide_offsets.py`
 lowers a probe kernel with and without the patch and fails when the unpatched lowering no
