@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plt
 from moe_jax.kernels import _wide_offsets
 from moe_jax.registry import FunctionImpl, OpProblem, Registry
 
-# True when Pallas Triton addresses 1-byte arrays of >= 2**31 elements with int64 offsets
+# True when Pallas Triton addresses 1-byte arrays of > 2**31 elements with int64 offsets
 # (`_wide_offsets`: an upstream bug patched at import; False only where the patch cannot apply).
 WIDE_BYTE_OFFSETS = _wide_offsets.install()
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from moe_jax import grouped_gemm, quant
-from moe_jax.kernels import _triton
+from moe_jax.kernels import _triton, _wide_offsets
 
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
@@ -206,7 +206,9 @@ def _needs_packing(w: jax.Array) -> bool:
     (`_triton.WIDE_BYTE_OFFSETS` False) do such weights travel as uint16 byte pairs (half the
     elements; a free bitcast, but the unpacking halved GEMM2's bandwidth on the H200).
     """
-    return not _triton.WIDE_BYTE_OFFSETS and w.dtype.itemsize == 1 and 2**31 < w.size <= 2**32
+    if _triton.WIDE_BYTE_OFFSETS:
+        return False
+    return _wide_offsets.needs_wide_offsets(w.shape, w.dtype) and w.size <= 2**32
 
 
 def _compute_dtype(dtype) -> jnp.dtype:

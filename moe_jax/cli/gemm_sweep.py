@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -35,6 +33,7 @@ import numpy as np
 from moe_jax import layouts, quant
 from moe_jax.cli import decode_bench
 from moe_jax.cli.timing import rel_error, time_calls
+from moe_jax.kernels import grouped_gemm as gemm_kernels
 
 ALIGNMENT = 16
 CHECK_ROWS = 16
@@ -101,7 +100,6 @@ def sweep_one(
       [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
       heuristic's by more than `TOLERANCE`, or that fails to run, is {config, failed} at the end.
     """
-    gemm_kernels = _kernels()
     heuristic = gemm_kernels.heuristic_config(
         num_rows=x.shape[0],
         num_experts=w.shape[0],
@@ -162,11 +160,6 @@ def sweep_one(
     return results
 
 
-def _kernels() -> ModuleType:
-    """The kernel module (the package `moe_jax.kernels` re-exports its function by its name)."""
-    return importlib.import_module("moe_jax.kernels.grouped_gemm")
-
-
 def _describe(config: Any) -> str:
     return (
         f"bn{config.block_n} bk{config.block_k} w{config.num_warps} s{config.num_stages}"
@@ -186,7 +179,7 @@ def _check_heuristic(
     """Rel. error of the heuristic's output against float32 on the first valid rows (only
     their experts' weights are dequantized, so it fits for E=256)."""
     keep = np.flatnonzero(np.asarray(expert_ids) >= 0)[:CHECK_ROWS]
-    got = _kernels().grouped_gemm_contiguous(
+    got = gemm_kernels.grouped_gemm_contiguous(
         x,
         w,
         expert_ids,
