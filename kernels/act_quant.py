@@ -44,26 +44,44 @@ COMPILED_ACTIVATIONS = ("silu",)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActQuantConfig:
-    """Tunables of the fused activation + quantization kernel.
+    """Tunables of the quantization kernels (fused activation + quantization, and alone).
 
     Attributes:
       block_m: rows per program (power of two).
       num_warps: Triton warps per program.
+      groups_per_program: 128-column groups per program (power of two; clipped to the largest
+        power of two dividing the number of groups): a program loads `block_m` rows x
+        `groups_per_program * 128` columns and quantizes them group by group.
+      is_group_major: the grid's fastest axis walks column groups (programs launched together
+        read neighbouring columns of the same rows) rather than row blocks.
     """
 
     block_m: int = 32
     num_warps: int = 4
+    groups_per_program: int = 1
+    is_group_major: bool = False
 
     def __post_init__(self):
-        for name in ("block_m", "num_warps"):
+        for name in ("block_m", "num_warps", "groups_per_program"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ActQuantConfig.{name}={value} but a power of two is needed")
 
 
 def heuristic_config(num_rows: int) -> ActQuantConfig:
-    """32 rows x 128 columns per program (8 KiB of bf16 in, 4 KiB of FP8 out)."""
-    return ActQuantConfig(block_m=min(32, _triton.next_power_of_2(max(num_rows, 1))))
+    """32 rows x 128 columns per program (8 KiB of bf16 in per operand, 4 KiB of FP8 out), the
+    grid walking column groups fastest.
+
+    H200 sweep (2026-12-02, `python -m moe_jax.cli.kernel_bench --kernels quant --sweep`, host
+    timing of back-to-back calls, BENCHMARKS.md): group-major order took act_and_quant from
+    113.8 to 111.9 us at shape A (32768 x 4096 bf16 in) and from 99.3 to 87.6 us at shape B
+    (65536 x 1536), the fastest of 11 configs at both; 16-128 rows, 2-4 groups per program and
+    8 warps were all slower there. group_quant (88 and 50 MB) and the decode sizes time at the
+    dispatch floor (36-48 us for every config), so they tell the configs apart by noise only.
+    """
+    return ActQuantConfig(
+        block_m=min(32, _triton.next_power_of_2(max(num_rows, 1))), is_group_major=True
+    )
 
 
 def _divide(a, b, *, interpret: bool):
@@ -92,8 +110,9 @@ def _round(x, dtype, *, interpret: bool):
     return round_to_dtype(x, dtype) if interpret else x.astype(dtype)
 
 
-def _store_quantized(a, q_ref, scale_ref, *, interpret: bool):
-    """Quantizes float32 rows `a` [block_m, 128] into q_ref and their scales into scale_ref."""
+def _store_quantized(a, q_ref, scale_ref, group: int, *, interpret: bool):
+    """Quantizes float32 rows `a` [block_m, 128] into column group `group` of the program's
+    q_ref [block_m, G * 128] and scale_ref [block_m, G] blocks."""
     amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
     scale = _divide(
         jnp.maximum(amax, quant.SCALE_EPS),
@@ -101,8 +120,11 @@ def _store_quantized(a, q_ref, scale_ref, *, interpret: bool):
         interpret=interpret,
     )
     quotient = _divide(a, scale, interpret=interpret)
-    q_ref[...] = jnp.clip(quotient, -quant.FP8_MAX, quant.FP8_MAX).astype(q_ref.dtype)
-    scale_ref[...] = scale
+    width = a.shape[1]
+    q_ref[:, pl.ds(group * width, width)] = jnp.clip(
+        quotient, -quant.FP8_MAX, quant.FP8_MAX
+    ).astype(q_ref.dtype)
+    scale_ref[:, pl.ds(group, 1)] = scale
 
 
 def _act_quant_kernel(
@@ -114,11 +136,16 @@ def _act_quant_kernel(
     scale_ref,
     *,
     activation: str,
+    group_size: int,
     interpret: bool,
 ):
     round_fn = functools.partial(_round, interpret=interpret)
-    a = gated_activation(gate_ref[...], up_ref[...], activation, round_fn=round_fn)
-    _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, interpret=interpret)
+    for group in range(scale_ref.shape[1]):  # static: the program's 128-column groups
+        columns = pl.ds(group * group_size, group_size)
+        a = gated_activation(
+            gate_ref[:, columns], up_ref[:, columns], activation, round_fn=round_fn
+        )
+        _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
 
 
 def _group_quant_kernel(
@@ -128,40 +155,55 @@ def _group_quant_kernel(
     q_ref,
     scale_ref,
     *,
+    group_size: int,
     interpret: bool,
 ):
-    _store_quantized(x_ref[...].astype(jnp.float32), q_ref, scale_ref, interpret=interpret)
+    for group in range(scale_ref.shape[1]):
+        columns = pl.ds(group * group_size, group_size)
+        a = x_ref[:, columns].astype(jnp.float32)
+        _store_quantized(a, q_ref, scale_ref, group, interpret=interpret)
 
 
 def _quantize_call(
     kernel, x, *, num_rows, num_groups, group_size, column_offset, config, name, interpret
 ):
-    """pallas_call over (row blocks, groups): reads x's group g (and g + column_offset for a gated
-    kernel), writes q [M, num_groups * group_size] and scales [M, num_groups]."""
+    """pallas_call over (row blocks, group blocks): reads x's groups [g*G, (g+1)*G) (and the
+    same groups shifted by `column_offset` groups for a gated kernel), writes q
+    [M, num_groups * group_size] and scales [M, num_groups]."""
     cfg = heuristic_config(num_rows) if config is None else config
+    per_program = _triton.largest_power_of_2_divisor(num_groups, cfg.groups_per_program)
     padded_rows = -(-num_rows // cfg.block_m) * cfg.block_m
     if padded_rows != num_rows:
         x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
-    block = (cfg.block_m, group_size)
-    in_specs = [pl.BlockSpec(block, lambda i, g: (i, g))]
+    grid = (padded_rows // cfg.block_m, num_groups // per_program)
+
+    def index(order):  # (row block, group block) of a program whatever the grid's order
+        return (lambda g, i: order(i, g)) if cfg.is_group_major else order
+
+    block = (cfg.block_m, per_program * group_size)
+    in_specs = [pl.BlockSpec(block, index(lambda i, g: (i, g)))]
     if column_offset:
-        in_specs.append(pl.BlockSpec(block, lambda i, g: (i, g + column_offset)))
+        shift = column_offset // per_program
+        in_specs.append(pl.BlockSpec(block, index(lambda i, g: (i, g + shift))))
     with _triton.quiet_triton_deprecation():
         q, scales = pl.pallas_call(
-            functools.partial(kernel, interpret=interpret),
+            functools.partial(kernel, group_size=group_size, interpret=interpret),
             out_shape=(
                 jax.ShapeDtypeStruct((padded_rows, num_groups * group_size), quant.FP8_DTYPE),
                 jax.ShapeDtypeStruct((padded_rows, num_groups), jnp.float32),
             ),
-            grid=(padded_rows // cfg.block_m, num_groups),
+            grid=grid[::-1] if cfg.is_group_major else grid,
             in_specs=in_specs,
             out_specs=[
-                pl.BlockSpec(block, lambda i, g: (i, g)),
-                pl.BlockSpec((cfg.block_m, 1), lambda i, g: (i, g)),
+                pl.BlockSpec(block, index(lambda i, g: (i, g))),
+                pl.BlockSpec((cfg.block_m, per_program), index(lambda i, g: (i, g))),
             ],
             compiler_params=_triton.compiler_params(num_warps=cfg.num_warps, num_stages=1),
             interpret=interpret,
-            name=f"{name}_bm{cfg.block_m}_w{cfg.num_warps}",
+            name=(
+                f"{name}_bm{cfg.block_m}_w{cfg.num_warps}_g{per_program}"
+                f"{'_gm' if cfg.is_group_major else ''}"
+            ),
         )(*[x] * len(in_specs))
     return q[:num_rows], scales[:num_rows]
 

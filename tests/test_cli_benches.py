@@ -93,7 +93,8 @@ def test_kernel_gaps_reads_a_real_trace_and_says_when_it_has_no_gpu(tmp_path):
     from moe_jax.cli import kernel_gaps
 
     fn = jax.jit(lambda x: x * 2 + 1)
-    path = kernel_gaps._trace(fn, (jax.numpy.ones(8),), 2, str(tmp_path))
+    path, measured = kernel_gaps._trace(fn, (jax.numpy.ones(8),), 1, 2, str(tmp_path))
+    assert measured.streamed_ms > 0
     events, where = kernel_gaps.device_kernels(path)
     if jax.default_backend() == "cpu":
         assert events == [] and "no GPU kernel events" in where and "/host:CPU" in where
@@ -109,3 +110,39 @@ def test_kernel_gaps_refuses_without_a_gpu(capsys):
     assert "needs a GPU" in capsys.readouterr().err
     assert kernel_gaps.main(["--shape", "Z"]) == 2
     assert "unknown shape 'Z'" in capsys.readouterr().err
+
+
+def test_kernel_gaps_times_kernels_per_forward_by_median():
+    from moe_jax.cli.kernel_gaps import KernelEvent, KernelTime, kernel_times, short_name
+
+    forwards = [
+        [
+            KernelEvent("gemm", 0.0, 10.0),
+            KernelEvent("copy", 10.0, 1.0),
+            KernelEvent("copy", 12.0, 1.0),
+        ],
+        [
+            KernelEvent("gemm", 0.0, 30.0),
+            KernelEvent("copy", 30.0, 2.0),
+            KernelEvent("copy", 33.0, 2.0),
+        ],
+        [
+            KernelEvent("gemm", 0.0, 20.0),
+            KernelEvent("copy", 20.0, 3.0),
+            KernelEvent("copy", 24.0, 3.0),
+        ],
+    ]
+    assert kernel_times(forwards) == [KernelTime("gemm", 20.0, 1), KernelTime("copy", 4.0, 2)]
+    # a kernel missing from some forwards counts 0 there
+    assert kernel_times([[KernelEvent("a", 0.0, 5.0)], []]) == [KernelTime("a", 2.5, 1)]
+    long = "void deep_gemm::impl<(Major)0, 0u, 4096u, 7168u, 32u, 128u>(float*, int*)"
+    assert short_name(long) == "deep_gemm::impl<(Major)0, 0u, 4096u, 7168u, ...>"
+    assert short_name("void k<1, 2>(int)") == "k<1, 2>"
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
+def test_kernel_gaps_refuses_a_bad_decode_token_count(capsys):
+    from moe_jax.cli import kernel_gaps
+
+    assert kernel_gaps.main(["--decode-tokens", "0"]) == 2
+    assert "--decode-tokens 0" in capsys.readouterr().err

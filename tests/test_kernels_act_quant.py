@@ -173,6 +173,38 @@ def test_group_quant_is_bitwise_the_oracle(impl, problem):
     _assert_bitwise((q, scales), _xla_reference(group_quant_reference, x))
 
 
+TILE_CONFIGS = [
+    ActQuantConfig(block_m=16, groups_per_program=2),
+    ActQuantConfig(block_m=64, num_warps=8, groups_per_program=4, is_group_major=True),
+    ActQuantConfig(block_m=16, groups_per_program=8, is_group_major=True),  # clipped below
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS[1:])
+@pytest.mark.parametrize(
+    "config",
+    TILE_CONFIGS,
+    ids=lambda c: f"bm{c.block_m}-w{c.num_warps}-g{c.groups_per_program}-gm{c.is_group_major:d}",
+)
+def test_every_tiling_quantizes_the_same_bits(impl, config):
+    """Several groups per program and either grid order only move where a group is computed: the
+    same bits as the reference, for the fused kernel (I of 2 and 3 groups: an odd count clips
+    the tile to one group) and for the group quantization (4 and 6 groups), on row counts that
+    do not fill the last block."""
+    for problem in (Problem(77, 256, "bfloat16", seed=6), Problem(33, 384, "float32", seed=7)):
+        h = _inputs(problem, scale=4.0, salt=2)
+        got = _run_act(impl, h, "silu", config=config)
+        want = _xla_reference(act_and_quant_reference, h)
+        if impl == "pallas":
+            _assert_within_one_step(*got, *map(np.asarray, want), max_flips=0.01)
+        else:
+            _assert_bitwise(got, want)
+        x = _inputs(problem, scale=5.0, salt=4)
+        _assert_bitwise(
+            _run_group(impl, x, config=config), _xla_reference(group_quant_reference, x)
+        )
+
+
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="multiple of 256"):
         act_and_quant(jnp.zeros((4, 200), jnp.bfloat16))
@@ -184,3 +216,5 @@ def test_bad_inputs_raise():
         act_and_quant(jnp.zeros((4, 256), jnp.bfloat16), activation="relu")
     with pytest.raises(ValueError, match="power of two"):
         ActQuantConfig(block_m=24)
+    with pytest.raises(ValueError, match="groups_per_program=3"):
+        ActQuantConfig(groups_per_program=3)

@@ -41,6 +41,7 @@ from moe_jax import act_quant, kernels, layouts
 from moe_jax import permute as permute_op
 from moe_jax.cli import kernel_report
 from moe_jax.cli.timing import time_calls
+from moe_jax.kernels.act_quant import heuristic_config as act_quant_heuristic
 from moe_jax.kernels.destinations import heuristic_config as destinations_heuristic
 from moe_jax.kernels.permute import heuristic_config as permute_heuristic
 from moe_jax.kernels.permute import routing_metadata
@@ -61,6 +62,10 @@ SHAPES = {
     "A": Shape("A", 4096, 8, 7168, 32, 2048),
     "B": Shape("B", 8192, 8, 2048, 128, 768),
     "tiny": Shape("tiny", 64, 4, 256, 8, 128),
+    # Decode-size layers of `bench --decode` (DeepSeek-V3 experts): GEMM1's output has about
+    # T*k*16 rows there (16-row segments); these give act_and_quant 128 and 2944 rows.
+    "decode_1": Shape("decode_1", 16, 8, 7168, 256, 2048),
+    "decode_32": Shape("decode_32", 368, 8, 7168, 256, 2048),
 }
 # Overrides of the heuristic config timed by --sweep; "2h" doubles block_h, "h/2" halves it.
 PERMUTE_SWEEP = [
@@ -76,6 +81,18 @@ DESTINATIONS_SWEEP = [
     dict(block_p=128),
     dict(num_warps=8),
     dict(num_stages=1),
+]
+QUANT_SWEEP = [
+    dict(block_m=8),
+    dict(block_m=16),
+    dict(block_m=64),
+    dict(block_m=64, num_warps=8),
+    dict(block_m=128, num_warps=8),
+    dict(groups_per_program=2),
+    dict(block_m=16, groups_per_program=2),
+    dict(groups_per_program=4, num_warps=8),
+    dict(is_group_major=True),
+    dict(block_m=64, num_warps=8, groups_per_program=2, is_group_major=True),
 ]
 KERNEL_FAMILIES = ("permute", "destinations", "unpermute", "quant")
 UNPERMUTE_SWEEP = [
@@ -308,30 +325,47 @@ def _bench_unpermute(shape, x, ids, weights, rng, *, impl, sweep, timer, copy_gb
     ]
 
 
-def _bench_quant(shape, x, rng, *, impl, timer, copy_gbs):
-    """group_quant of the tokens [T, H] and act_and_quant of GEMM1's output [T*k, 2I]."""
+def _bench_quant(shape, x, rng, *, impl, sweep, timer, copy_gbs):
+    """group_quant of the tokens [T, H] and act_and_quant of GEMM1's output [T*k, 2I]; with
+    `sweep`, the kernels with `QUANT_SWEEP`'s configs too, each checked bit for bit against
+    the heuristic config's output first (the tiling moves no arithmetic)."""
     h = jnp.asarray(
         rng.standard_normal((shape.num_tokens * shape.topk, 2 * shape.intermediate)), jnp.bfloat16
     )
     rows = []
     cases = [
-        ("group_quant", act_quant.group_quant, x),
-        ("act_and_quant", act_quant.act_and_quant, h),
+        ("group_quant", act_quant.group_quant, kernels.group_quant, x),
+        ("act_and_quant", act_quant.act_and_quant, kernels.act_and_quant, h),
     ]
-    for name, op, operand in cases:
-        fn = jax.jit(functools.partial(op, impl=impl))
+    for name, op, kernel, operand in cases:
+        front = jax.jit(functools.partial(op, impl=impl))
         xla = jax.jit(functools.partial(op, impl="xla"))
+        heuristic = front(operand)
+        candidates = [(f"impl={impl!r} (heuristic config)", front)]
+        if sweep:
+            base = act_quant_heuristic(operand.shape[0])
+            for change in QUANT_SWEEP:
+                config = _override(base, change)
+                fn = jax.jit(
+                    functools.partial(kernel, config=config, interpret=impl == "pallas_interpret")
+                )
+                if _is_bit_equal(fn(operand), heuristic):
+                    candidates.append((str(config), fn))
+                else:
+                    print(f"  sweep {config}: output differs from the heuristic's, not timed")
+        us, config_name, fn = _fastest(timer, candidates, operand)
         got, want = fn(operand), xla(operand)
         rows.append(
             kernel_report.row(
                 name,
                 shape.name,
                 "bf16->fp8",
-                us=timer.us(fn, operand),
+                us=us,
                 xla_us=timer.us(xla, operand),
                 moved=_nbytes(operand, *got),
                 copy_gbs=copy_gbs,
                 check="exact" if _is_bit_equal(got, want) else "differs from xla",
+                config=config_name,
             )
         )
     return rows
@@ -361,7 +395,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], float, float]:
         if "unpermute" in args.kernels:
             rows += _bench_unpermute(shape, x, ids, weights, rng, sweep=args.sweep, **common)
         if "quant" in args.kernels:
-            rows += _bench_quant(shape, x, rng, **common)
+            rows += _bench_quant(shape, x, rng, sweep=args.sweep, **common)
     return rows, copy_gbs, fill_gbs
 
 

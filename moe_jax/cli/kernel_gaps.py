@@ -1,11 +1,16 @@
-"""`python -m moe_jax.cli.kernel_gaps`: where the GPU idles between the kernels of a forward.
+"""`python -m moe_jax.cli.kernel_gaps`: where a forward's device time goes, kernel by kernel.
 
-Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")` on `bench`'s shapes) with
-`jax.profiler`, reads the GPU kernel events of the trace (`jax.profiler.ProfileData`), and
-reports per forward: the span from first kernel start to last kernel end, the time some kernel
-ran (busy), the idle rest (gaps), and the largest gaps with the kernels on either side:
+Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")` on `bench`'s shapes, or on
+`bench --decode`'s DeepSeek-V3 experts with `--decode-tokens T`) with `jax.profiler`, reads the
+GPU kernel events of the trace (`jax.profiler.ProfileData`), and reports per forward: the span
+from first kernel start to last kernel end, the time some kernel ran (busy), the idle rest
+(gaps), the largest gaps with the kernels on either side, and each kernel's device time (median
+over the forwards). The traced calls are `bench`'s own timing loop (`moe_jax.cli.timing`: host
+clock around bursts of back-to-back calls), so the bench's figure and the device's span of the
+same calls sit side by side:
 
-    python -m moe_jax.cli.kernel_gaps --shape A --forwards 10 [--json gaps.json]
+    python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
+    python -m moe_jax.cli.kernel_gaps --decode-tokens 1
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
 Python, a synchronisation) or for an allocation. This is the profile issue 14 asks for; `bench
@@ -106,6 +111,57 @@ def split_forwards(
     return [ordered[i : i + kernels_per_forward] for i in range(0, whole, kernels_per_forward)]
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelTime:
+    """One kernel's device time in a forward: the median over forwards of its summed duration
+    (ns), and how many times it ran per forward."""
+
+    name: str
+    ns: float
+    calls: int
+
+
+def kernel_times(forwards: Sequence[Sequence[KernelEvent]]) -> list[KernelTime]:
+    """Per kernel name: median over `forwards` of the summed duration in each, longest first.
+
+    Example (two forwards; "b" runs twice in each):
+      >>> f = [KernelEvent("a", 0, 4), KernelEvent("b", 4, 1), KernelEvent("b", 5, 2)]
+      >>> g = [KernelEvent("a", 0, 6), KernelEvent("b", 6, 1), KernelEvent("b", 7, 1)]
+      >>> kernel_times([f, g])
+      [KernelTime(name='a', ns=5.0, calls=1), KernelTime(name='b', ns=2.5, calls=2)]
+    """
+    totals: dict[str, list[float]] = {}
+    calls: dict[str, int] = {}
+    for index, forward in enumerate(forwards):
+        for event in forward:
+            per_forward = totals.setdefault(event.name, [0.0] * len(forwards))
+            per_forward[index] += event.duration_ns
+            if index == 0:
+                calls[event.name] = calls.get(event.name, 0) + 1
+    rows = [
+        KernelTime(name, statistics.median(v), calls.get(name, 0)) for name, v in totals.items()
+    ]
+    return sorted(rows, key=lambda r: -r.ns)
+
+
+def short_name(name: str, template_args: int = 4) -> str:
+    """A kernel name for a table: "void " dropped, a C++ template's arguments cut to the first
+    `template_args` (DeepGEMM's GEMMs differ in their N and K arguments).
+
+      >>> short_name("void ns::gemm<(M)0, 0u, 4096u, 7168u, 32u>(float*, int*)")
+      'ns::gemm<(M)0, 0u, 4096u, 7168u, ...>'
+      >>> short_name("loop_add_fusion")
+      'loop_add_fusion'
+    """
+    name = name.removeprefix("void ")
+    if "<" not in name:
+        return name
+    base, rest = name.split("<", 1)
+    args = rest.split(">")[0].split(", ")
+    more = ", ..." if len(args) > template_args else ""
+    return f"{base}<{', '.join(args[:template_args])}{more}>"
+
+
 def device_kernels(xplane_path: str) -> tuple[list[KernelEvent], str]:
     """Kernel events of the first GPU plane of a trace, and a description of what was read.
 
@@ -144,20 +200,50 @@ def _forward_fn(shape_name: str) -> tuple[Callable, tuple]:
     return fn, args
 
 
-def _trace(fn: Callable, args: tuple, forwards: int, trace_dir: str) -> str:
-    """Traces `forwards` back-to-back calls after warm-up; the path of the .xplane.pb."""
+def _decode_forward_fn(num_tokens: int) -> tuple[Callable, tuple]:
+    """The jitted FP8 `fused_moe(experts="auto")` forward of `bench --decode` (DeepSeek-V3
+    experts on one GPU) at `num_tokens` tokens, and its arguments."""
+    from moe_jax.cli import decode_bench
+
+    shape = decode_bench.SHAPES["deepseek_v3"]
+    weights = decode_bench.make_weights(shape)
+    x, topk_weights, topk_ids = decode_bench.make_tokens(shape, num_tokens)
+    return decode_bench._layer_fn("auto"), (x, weights, topk_weights, topk_ids)
+
+
+def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
+    """Times `fn(*args)` as `bench` does (`timing.time_calls`: `samples` bursts of `burst`
+    back-to-back calls after its warm-up calls) inside a `jax.profiler` trace, so the host's
+    figure and the device timeline come from the same calls. Returns (the .xplane.pb path,
+    the `timing.Timing`)."""
+    from moe_jax.cli import timing
+
     for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
         jax.block_until_ready(fn(*args))
     with jax.profiler.trace(trace_dir):
-        out = None
-        for _ in range(forwards):
-            out = None
-            out = fn(*args)
-        jax.block_until_ready(out)
+        measured = timing.time_calls(
+            lambda: fn(*args), wait=jax.block_until_ready, samples=samples, burst=burst
+        )
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    return max(paths, key=os.path.getmtime)
+    return max(paths, key=os.path.getmtime), measured
+
+
+def burst_spans(forwards: Sequence[Sequence[KernelEvent]], burst: int) -> list[float]:
+    """Device span per call (ns) of each burst of `burst` consecutive forwards: first kernel
+    start to last kernel end, divided by `burst` (the device's view of a streamed sample).
+
+      >>> f = [[KernelEvent("a", 10 * i, 4)] for i in range(4)]
+      >>> burst_spans(f, 2)
+      [7.0, 7.0]
+    """
+    spans = []
+    for start in range(0, len(forwards) - burst + 1, burst):
+        events = [e for forward in forwards[start : start + burst] for e in forward]
+        first = min(e.start_ns for e in events)
+        spans.append((max(e.end_ns for e in events) - first) / burst)
+    return spans
 
 
 def _us(ns: float) -> str:
@@ -167,7 +253,16 @@ def _us(ns: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_jax.cli.kernel_gaps", description=__doc__)
     parser.add_argument("--shape", default="A", help="a `bench` shape: A, B or small")
-    parser.add_argument("--forwards", type=int, default=10, help="back-to-back forwards traced")
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        help="profile `bench --decode`'s DeepSeek-V3 layer at this many tokens instead of --shape",
+    )
+    parser.add_argument("--top-kernels", type=int, default=12, help="kernels listed by time")
+    parser.add_argument(
+        "--samples", type=int, default=5, help="timed bursts traced (each of --burst calls)"
+    )
+    parser.add_argument("--burst", type=int, default=10, help="back-to-back calls per burst")
     parser.add_argument("--json", help="also write the summary to this JSON file")
     args = parser.parse_args(argv)
     from moe_jax.cli import layer_bench
@@ -178,27 +273,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.forwards < 2:
-        print(f"--forwards {args.forwards}: at least 2 are needed", file=sys.stderr)
+    if args.decode_tokens is not None and args.decode_tokens < 1:
+        print(f"--decode-tokens {args.decode_tokens}: at least 1 is needed", file=sys.stderr)
+        return 2
+    if args.samples < 1 or args.burst < 2:
+        print(
+            f"--samples {args.samples} --burst {args.burst}: at least 1 sample of 2 calls",
+            file=sys.stderr,
+        )
         return 2
     if jax.default_backend() != "gpu":
         print("needs a GPU: the CPU backend's trace has no device kernels", file=sys.stderr)
         return 2
-    fn, args_ = _forward_fn(args.shape)
+    from moe_jax.cli import timing
+
+    if args.decode_tokens is not None:
+        label = f"decode T={args.decode_tokens}"
+        fn, args_ = _decode_forward_fn(args.decode_tokens)
+    else:
+        label = f"shape {args.shape}"
+        fn, args_ = _forward_fn(args.shape)
+    timed = args.samples * args.burst
+    traced = timing.WARMUP + timed  # time_calls' own warm-up calls run inside the trace too
     with tempfile.TemporaryDirectory() as trace_dir:
-        events, where = device_kernels(_trace(fn, args_, args.forwards, trace_dir))
-    print(f"shape {args.shape}, {args.forwards} forwards traced: {where}")
-    if not events or len(events) % args.forwards:
+        path, measured = _trace(fn, args_, args.samples, args.burst, trace_dir)
+        events, where = device_kernels(path)
+    print(f"{label}, {traced} calls traced ({args.samples} bursts of {args.burst}): {where}")
+    if not events or len(events) % traced:
         print(
-            f"{len(events)} kernel events do not split into {args.forwards} forwards: "
+            f"{len(events)} kernel events do not split into {traced} forwards: "
             "the whole timeline is summarized as one stretch",
             file=sys.stderr,
         )
         forwards = [events]
+        spans = []
     else:
-        forwards = split_forwards(events, len(events) // args.forwards)
+        forwards = split_forwards(events, len(events) // traced)[timing.WARMUP :]
+        spans = burst_spans(forwards, args.burst)
+    host_us = measured.streamed_ms * 1e3
+    device_us = statistics.median(spans) / 1e3 if spans else float("nan")
+    print(
+        f"per call, back to back: host clock {host_us:.1f} us (`bench`'s figure), device span "
+        f"{device_us:.1f} us (median of {len(spans)} bursts; the difference is the host's "
+        "lead-in and wake-up per burst plus the device's idle time between calls)"
+    )
     summaries = [summarize(f) for f in forwards]
-    whole = summarize(events)
+    whole = summarize([event for forward in forwards for event in forward])
     span, busy, idle = (
         statistics.median(getattr(s, key) for s in summaries)
         for key in ("span_ns", "busy_ns", "idle_ns")
@@ -210,11 +330,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"whole trace: span {_us(whole.span_ns)}, idle {_us(whole.idle_ns)}; largest gaps:")
     for gap in whole.largest:
         print(f"  {_us(gap.ns):>10}  after {gap.before[:60]}  before {gap.after[:60]}")
+    times = kernel_times(forwards)
+    print(f"device time per forward by kernel (median of {len(forwards)} forwards):")
+    for row in times[: args.top_kernels]:
+        share = row.ns / busy if busy else 0.0
+        print(f"  {_us(row.ns):>10} {share:6.1%}  x{row.calls:<2} {short_name(row.name)[:90]}")
+    rest = times[args.top_kernels :]
+    if rest:
+        print(f"  {_us(sum(r.ns for r in rest)):>10}          {len(rest)} other kernels")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 dict(
-                    shape=args.shape,
+                    shape=label,
+                    host_us=host_us,
+                    device_span_us=device_us,
+                    kernels=[dataclasses.asdict(t) for t in times],
                     source=where,
                     forwards=[dataclasses.asdict(s) for s in summaries],
                     whole=dataclasses.asdict(whole),
