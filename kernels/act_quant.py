@@ -68,9 +68,16 @@ class ActQuantConfig:
                 raise ValueError(f"ActQuantConfig.{name}={value} but a power of two is needed")
 
 
-def heuristic_config(num_rows: int) -> ActQuantConfig:
-    """32 rows x 128 columns per program (8 KiB of bf16 in per operand, 4 KiB of FP8 out), the
-    grid walking column groups fastest.
+MIN_PROGRAMS = 512  # about 4 programs per H200 multiprocessor: small calls split rows finer
+
+
+def heuristic_config(num_rows: int, num_groups: int = 1) -> ActQuantConfig:
+    """Up to 32 rows x 128 columns per program (8 KiB of bf16 in per operand, 4 KiB of FP8
+    out), the grid walking column groups fastest.
+
+    Fewer rows per program when the call has fewer than `MIN_PROGRAMS` programs of 32 rows
+    (decode-size calls: 128 rows x 16 groups at T=1), so each thread quantizes fewer elements
+    one after the other: a program's latency, not the bytes, bounds such a call.
 
     H200 sweep (2026-12-02, `python -m moe_jax.cli.kernel_bench --kernels quant --sweep`, host
     timing of back-to-back calls, BENCHMARKS.md): group-major order took act_and_quant from
@@ -78,10 +85,15 @@ def heuristic_config(num_rows: int) -> ActQuantConfig:
     (65536 x 1536), the fastest of 11 configs at both; 16-128 rows, 2-4 groups per program and
     8 warps were all slower there. group_quant (88 and 50 MB) and the decode sizes time at the
     dispatch floor (36-48 us for every config), so they tell the configs apart by noise only.
+
+      >>> heuristic_config(36832, 16).block_m, heuristic_config(128, 16).block_m
+      (32, 4)
     """
-    return ActQuantConfig(
-        block_m=min(32, _triton.next_power_of_2(max(num_rows, 1))), is_group_major=True
-    )
+    rows = max(num_rows, 1)
+    block_m = min(32, _triton.next_power_of_2(rows))
+    while block_m > 1 and -(-rows // block_m) * max(num_groups, 1) < MIN_PROGRAMS:
+        block_m //= 2
+    return ActQuantConfig(block_m=block_m, is_group_major=True)
 
 
 def _divide(a, b, *, interpret: bool):
@@ -170,7 +182,7 @@ def _quantize_call(
     """pallas_call over (row blocks, group blocks): reads x's groups [g*G, (g+1)*G) (and the
     same groups shifted by `column_offset` groups for a gated kernel), writes q
     [M, num_groups * group_size] and scales [M, num_groups]."""
-    cfg = heuristic_config(num_rows) if config is None else config
+    cfg = heuristic_config(num_rows, num_groups) if config is None else config
     per_program = _triton.largest_power_of_2_divisor(num_groups, cfg.groups_per_program)
     padded_rows = -(-num_rows // cfg.block_m) * cfg.block_m
     if padded_rows != num_rows:

@@ -343,7 +343,7 @@ def _bench_quant(shape, x, rng, *, impl, sweep, timer, copy_gbs):
         heuristic = front(operand)
         candidates = [(f"impl={impl!r} (heuristic config)", front)]
         if sweep:
-            base = act_quant_heuristic(operand.shape[0])
+            base = act_quant_heuristic(operand.shape[0], operand.shape[1] // 128)
             for change in QUANT_SWEEP:
                 config = _override(base, change)
                 fn = jax.jit(
