@@ -114,7 +114,10 @@ def reference_rows(x, weights: ExpertWeights, topk_weights, topk_ids):
     return jax.lax.map(one, (x, topk_weights, topk_ids))
 
 
-def _layer_fn(experts: str):
+def layer_fn(experts: str):
+    """The jitted FP8 `fused_moe(x, weights..., experts=experts)` of this bench: (x, ExpertWeights,
+    topk_weights, topk_ids) -> bf16[T, H]."""
+
     def forward(x, w: ExpertWeights, topk_weights, topk_ids):
         return fused_moe(
             x,
@@ -165,7 +168,7 @@ def measure(
     )
     for name in variants:
         print(f"[T={num_tokens}] {name}", file=progress, flush=True)
-        fn = _layer_fn(name)
+        fn = layer_fn(name)
         args = (x, weights, topk_weights, topk_ids)
         try:
             out = fn(*args)

@@ -208,7 +208,7 @@ def _decode_forward_fn(num_tokens: int) -> tuple[Callable, tuple]:
     shape = decode_bench.SHAPES["deepseek_v3"]
     weights = decode_bench.make_weights(shape)
     x, topk_weights, topk_ids = decode_bench.make_tokens(shape, num_tokens)
-    return decode_bench._layer_fn("auto"), (x, weights, topk_weights, topk_ids)
+    return decode_bench.layer_fn("auto"), (x, weights, topk_weights, topk_ids)
 
 
 def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
