@@ -86,6 +86,9 @@ def count_expert_num_tokens(
     return jnp.sum(one_hot, axis=0, dtype=jnp.int32)
 
 
+PAIRWISE_RANK_MAX_PAIRS = 512  # up to here contiguous_destinations ranks pairs pairwise
+
+
 def contiguous_num_rows(num_tokens: int, topk: int, num_experts: int, alignment: int) -> int:
     """Static worst-case row count of the contiguous layout.
 
@@ -139,7 +142,14 @@ def contiguous_destinations(
     one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None]).astype(jnp.int32)
     counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
     # Rank of each pair among earlier pairs of the same expert: (token, slot) order.
-    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
+    if flat.size <= PAIRWISE_RANK_MAX_PAIRS:
+        # [P, P]: pair q < p with p's expert. On the H200 (2026-12-02, `kernel_gaps
+        # --decode-tokens 8` and 32) XLA fused the cumsum form below into one reduce taking
+        # 33-34 us at 64 and 256 pairs, recomputing the running sums per element.
+        earlier = jnp.arange(flat.size)[None, :] < jnp.arange(flat.size)[:, None]
+        rank = jnp.sum(earlier & (flat[None, :] == flat[:, None]), axis=1, dtype=jnp.int32)
+    else:
+        rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
     padded = (counts + alignment - 1) // alignment * alignment
     ends = jnp.cumsum(padded, dtype=jnp.int32)
     starts = ends - padded

@@ -99,6 +99,20 @@ def test_destinations_match_oracle(impl, problem):
         np.testing.assert_array_equal(g, w, err_msg=f"{name} of {problem}")
 
 
+@pytest.mark.parametrize("num_tokens", [64, 65, 130])
+def test_reference_ranks_equal_the_oracle_on_both_sides_of_the_pairwise_bound(num_tokens):
+    """The XLA reference ranks up to `PAIRWISE_RANK_MAX_PAIRS` pairs by pairwise comparison and
+    beyond by a cumulative sum of one-hots (8 slots: 512 pairs, 520 and 1040): both give the
+    oracle's layout, invalid ids and duplicates included."""
+    assert layouts.PAIRWISE_RANK_MAX_PAIRS == 512
+    problem = Problem(f"bound_{num_tokens}", num_tokens, 8, 24, alignment=16)
+    local = _local_ids(problem)
+    got = _run("reference", jnp.asarray(local, jnp.int32), problem)
+    want = oracles.contiguous_destinations(local, problem.num_experts, alignment=problem.alignment)
+    for name, g, w in zip(("inverse", "counts", "ends"), got, want, strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=f"{name} of {problem}")
+
+
 @pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
 def test_interpret_kernel_equals_xla_bitwise(problem):
     local = jnp.asarray(_local_ids(problem), jnp.int32)
