@@ -493,6 +493,51 @@ else:
     plt.tight_layout()
     plt.show()
 """),
+    md("""
+## Where a forward's device time goes
+
+`python -m moe_jax.cli.kernel_gaps --shape A --json ...` (or `--decode-tokens T`) traces the
+bench's own timing loop with `jax.profiler` and records each kernel's device time per forward.
+`profile_results.json` next to this notebook holds four such profiles from one H200 call of
+2026-12-02 (BENCHMARKS.md, "Prefill" and "Decode"). The kernels are summed by stage with the
+CLI's own `stage_of`; the bar's full length is the host clock per call, so what is left of it
+past the kernels is the host's share (launches, the lead-in of each burst).
+"""),
+    code("""
+from moe_jax.cli.kernel_gaps import STAGES, OTHER_STAGE, stage_of
+
+profile_path = pathlib.Path(os.environ.get("MOE_JAX_PROFILE_JSON") or "profile_results.json")
+profiles = json.loads(profile_path.read_text()) if profile_path.is_file() else None
+if profiles is None:
+    print(f"no profiles at {profile_path}: run `python -m moe_jax.cli.kernel_gaps --json ...`")
+else:
+    env = profiles["environment"]
+    print(f"{env['device']}, jax {env['jax']}, DeepGEMM {env['deep_gemm']}, {env['date']}")
+    stage_names = [name for name, _ in STAGES] + [OTHER_STAGE]
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    for row, p in enumerate(profiles["profiles"]):
+        by_stage = dict.fromkeys(stage_names, 0.0)
+        for kernel in p["kernels"]:
+            by_stage[stage_of(kernel["name"])] += kernel["ns"] / 1e3
+        device = sum(by_stage.values())
+        assert device <= p["host_us"] * 1.01, (p["label"], device, p["host_us"])
+        shares = "  ".join(f"{n} {100 * us / device:.0f}%" for n, us in by_stage.items())
+        print(f"{p['label']:>13}: host {p['host_us']:7.1f} us, kernels {device:7.1f} us  {shares}")
+        left = 0.0
+        for i, (name, us) in enumerate(by_stage.items()):
+            ax.barh(row, us / p["host_us"], left=left, color=f"C{i}",
+                    label=name if row == 0 else None)
+            left += us / p["host_us"]
+        ax.barh(row, max(0.0, 1 - left), left=left, color="lightgrey",
+                label="host" if row == 0 else None)
+    labels = [f"{p['label']} ({p['host_us']:.0f} us)" for p in profiles["profiles"]]
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set(xlabel="share of the host clock per call", xlim=(0, 1))
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    plt.tight_layout()
+    plt.show()
+"""),
 ]
 
 

@@ -146,3 +146,31 @@ def test_kernel_gaps_refuses_a_bad_decode_token_count(capsys):
 
     assert kernel_gaps.main(["--decode-tokens", "0"]) == 2
     assert "--decode-tokens 0" in capsys.readouterr().err
+
+
+def test_kernel_gaps_sums_kernels_by_stage_and_plots_them(tmp_path):
+    from moe_jax.cli.kernel_gaps import OTHER_STAGE, KernelTime, plot_stages, stage_times
+
+    times = [
+        KernelTime("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u>", 100.0, 1),
+        KernelTime("grouped_gemm_config_block_m_16", 50.0, 1),
+        KernelTime("act_quant_silu_bm32_w4_g1_gm", 20.0, 1),
+        KernelTime("unpermute_config_block_t_2", 15.0, 1),
+        KernelTime("permute_config_block_m_16", 10.0, 1),
+        KernelTime("group_quant_bm32_w4_g1_gm", 5.0, 1),
+        KernelTime("input_reduce_fusion_1", 3.0, 1),
+        KernelTime("loop_select_fusion", 2.0, 2),
+    ]
+    stages = stage_times(times)
+    assert stages == {
+        "GEMMs": 150.0,
+        "act*up + quantize": 20.0,
+        "unpermute": 15.0,
+        "permute": 10.0,
+        "quantize x": 5.0,
+        OTHER_STAGE: 5.0,
+    }
+    assert sum(stages.values()) == sum(t.ns for t in times)
+    path = tmp_path / "stages.png"
+    plot_stages("shape A", stages, 3000.0, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -72,8 +72,10 @@ def test_routing(kernel_env):
 
 def test_performance_without_results(kernel_env, tmp_path):
     kernel_env.setenv("MOE_JAX_BENCH_JSON", str(tmp_path / "absent.json"))
+    kernel_env.setenv("MOE_JAX_PROFILE_JSON", str(tmp_path / "absent_profiles.json"))
     out = execute("03_performance.ipynb")
     assert "no benchmark results at" in out
+    assert "no profiles at" in out
     assert "ridge points" in out
 
 
@@ -95,8 +97,12 @@ def test_performance_with_results(kernel_env, tmp_path):
 def test_performance_with_the_committed_h200_results(kernel_env):
     # notebooks/bench_results.json is `python -m moe_jax bench --json` output from the H200.
     kernel_env.delenv("MOE_JAX_BENCH_JSON", raising=False)
+    kernel_env.delenv("MOE_JAX_PROFILE_JSON", raising=False)
     out = execute("03_performance.ipynb")
     assert "10 measured points from bench_results.json" in out
+    # notebooks/profile_results.json: `kernel_gaps --json` profiles, summed by stage
+    assert "shape A: host  2975.7 us, kernels  2852.4 us  GEMMs 85%" in out
+    assert "decode T=1: host   144.1 us" in out
 
 
 def test_training(kernel_env):

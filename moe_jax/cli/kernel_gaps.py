@@ -10,7 +10,7 @@ clock around bursts of back-to-back calls), so the bench's figure and the device
 same calls sit side by side:
 
     python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
-    python -m moe_jax.cli.kernel_gaps --decode-tokens 1
+    python -m moe_jax.cli.kernel_gaps --decode-tokens 1 --plot stages.png
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
 Python, a synchronisation) or for an allocation. This is the profile issue 14 asks for; `bench
@@ -144,6 +144,55 @@ def kernel_times(forwards: Sequence[Sequence[KernelEvent]]) -> list[KernelTime]:
     return sorted(rows, key=lambda r: -r.ns)
 
 
+# Stages of the FP8 forward by kernel name, first match wins (unpermute before permute).
+STAGES = (
+    ("GEMMs", ("deep_gemm", "grouped_gemm", "gemm")),
+    ("act*up + quantize", ("act_quant",)),
+    ("unpermute", ("unpermute",)),
+    ("permute", ("permute",)),
+    ("quantize x", ("group_quant",)),
+)
+OTHER_STAGE = "routing metadata, other XLA ops"
+
+
+def stage_of(name: str) -> str:
+    """The forward stage a kernel belongs to (`STAGES`), else `OTHER_STAGE`.
+
+    >>> stage_of("unpermute_config_block_t_2"), stage_of("loop_select_fusion")
+    ('unpermute', 'routing metadata, other XLA ops')
+    """
+    lowered = name.lower()
+    for stage, keys in STAGES:
+        if any(key in lowered for key in keys):
+            return stage
+    return OTHER_STAGE
+
+
+def stage_times(times: Sequence[KernelTime]) -> dict[str, float]:
+    """Device ns per forward summed by `stage_of`, in `STAGES` order then the other stage."""
+    totals = {stage: 0.0 for stage, _ in STAGES} | {OTHER_STAGE: 0.0}
+    for row in times:
+        totals[stage_of(row.name)] += row.ns
+    return totals
+
+
+def plot_stages(label: str, stages: dict[str, float], host_us: float, path: str) -> None:
+    """A horizontal bar per stage (us per forward), titled with the host clock per call."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(stages)
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(names) + 1.2))
+    ax.barh(names[::-1], [stages[n] / 1e3 for n in names[::-1]])
+    ax.set_xlabel("device us per forward")
+    ax.set_title(f"{label}: host clock {host_us:.0f} us per call")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def short_name(name: str, template_args: int = 4) -> str:
     """A kernel name for a table: "void " dropped, a C++ template's arguments cut to the first
     `template_args` (DeepGEMM's GEMMs differ in their N and K arguments).
@@ -264,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--burst", type=int, default=10, help="back-to-back calls per burst")
     parser.add_argument("--json", help="also write the summary to this JSON file")
+    parser.add_argument("--plot", help="also write a PNG of the device time by stage")
     args = parser.parse_args(argv)
     from moe_jax.cli import layer_bench
 
@@ -338,6 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = times[args.top_kernels :]
     if rest:
         print(f"  {_us(sum(r.ns for r in rest)):>10}          {len(rest)} other kernels")
+    stages = stage_times(times)
+    print("by stage: " + ", ".join(f"{name} {_us(ns)}" for name, ns in stages.items()))
+    if args.plot:
+        plot_stages(label, stages, host_us, args.plot)
+        print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -346,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     host_us=host_us,
                     device_span_us=device_us,
                     kernels=[dataclasses.asdict(t) for t in times],
+                    stages_ns=stages,
                     source=where,
                     forwards=[dataclasses.asdict(s) for s in summaries],
                     whole=dataclasses.asdict(whole),
