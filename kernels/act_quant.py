@@ -143,6 +143,7 @@ def _act_quant_kernel(
     # inputs
     gate_ref,
     up_ref,
+    expert_ids_ref,
     # outputs
     q_ref,
     scale_ref,
@@ -151,13 +152,25 @@ def _act_quant_kernel(
     group_size: int,
     interpret: bool,
 ):
-    round_fn = functools.partial(_round, interpret=interpret)
-    for group in range(scale_ref.shape[1]):  # static: the program's 128-column groups
-        columns = pl.ds(group * group_size, group_size)
-        a = gated_activation(
-            gate_ref[:, columns], up_ref[:, columns], activation, round_fn=round_fn
-        )
-        _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
+    """act(gate) * up quantized, for the program's rows and groups; with `expert_ids_ref`
+    (int32[block_m], -1 on padding rows), a program whose rows are all padding writes nothing."""
+
+    def compute():
+        round_fn = functools.partial(_round, interpret=interpret)
+        for group in range(scale_ref.shape[1]):  # static: the program's 128-column groups
+            columns = pl.ds(group * group_size, group_size)
+            gate, up = gate_ref[:, columns], up_ref[:, columns]
+            a = gated_activation(gate, up, activation, round_fn=round_fn)
+            _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
+
+    if expert_ids_ref is None:
+        compute()
+    else:
+        pl.when(jnp.max(expert_ids_ref[...]) >= 0)(compute)
+
+
+def _act_quant_all_rows_kernel(gate_ref, up_ref, q_ref, scale_ref, **kwargs):
+    _act_quant_kernel(gate_ref, up_ref, None, q_ref, scale_ref, **kwargs)
 
 
 def _group_quant_kernel(
@@ -177,16 +190,29 @@ def _group_quant_kernel(
 
 
 def _quantize_call(
-    kernel, x, *, num_rows, num_groups, group_size, column_offset, config, name, interpret
+    kernel,
+    x,
+    *,
+    num_rows,
+    num_groups,
+    group_size,
+    column_offset,
+    config,
+    name,
+    interpret,
+    expert_ids=None,
 ):
     """pallas_call over (row blocks, group blocks): reads x's groups [g*G, (g+1)*G) (and the
-    same groups shifted by `column_offset` groups for a gated kernel), writes q
-    [M, num_groups * group_size] and scales [M, num_groups]."""
+    same groups shifted by `column_offset` groups for a gated kernel, and each row block's
+    `expert_ids` when given), writes q [M, num_groups * group_size] and scales
+    [M, num_groups]."""
     cfg = heuristic_config(num_rows, num_groups) if config is None else config
     per_program = _triton.largest_power_of_2_divisor(num_groups, cfg.groups_per_program)
     padded_rows = -(-num_rows // cfg.block_m) * cfg.block_m
     if padded_rows != num_rows:
         x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
+        if expert_ids is not None:
+            expert_ids = jnp.pad(expert_ids, (0, padded_rows - num_rows), constant_values=-1)
     grid = (padded_rows // cfg.block_m, num_groups // per_program)
 
     def index(order):  # (row block, group block) of a program whatever the grid's order
@@ -194,9 +220,14 @@ def _quantize_call(
 
     block = (cfg.block_m, per_program * group_size)
     in_specs = [pl.BlockSpec(block, index(lambda i, g: (i, g)))]
+    operands = [x]
     if column_offset:
         shift = column_offset // per_program
         in_specs.append(pl.BlockSpec(block, index(lambda i, g: (i, g + shift))))
+        operands.append(x)
+    if expert_ids is not None:
+        in_specs.append(pl.BlockSpec((cfg.block_m,), index(lambda i, g: (i,))))
+        operands.append(expert_ids)
     with _triton.quiet_triton_deprecation():
         q, scales = pl.pallas_call(
             functools.partial(kernel, group_size=group_size, interpret=interpret),
@@ -216,7 +247,7 @@ def _quantize_call(
                 f"{name}_bm{cfg.block_m}_w{cfg.num_warps}_g{per_program}"
                 f"{'_gm' if cfg.is_group_major else ''}"
             ),
-        )(*[x] * len(in_specs))
+        )(*operands)
     return q[:num_rows], scales[:num_rows]
 
 
@@ -270,6 +301,7 @@ def act_and_quant(
     group_size: int = 128,
     config: ActQuantConfig | None = None,
     interpret: bool = False,
+    expert_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
 
@@ -277,8 +309,11 @@ def act_and_quant(
       h: bf16/float16/float32[M, 2I] output of the first GEMM; I a multiple of `group_size`.
       activation: "silu", or "gelu" in interpret mode only (see COMPILED_ACTIVATIONS).
       group_size: columns per scale (128, vLLM's block recipe).
-      config: block sizes; None picks `heuristic_config(M)`.
+      config: block sizes; None picks `heuristic_config(M, I // group_size)`.
       interpret: run in Pallas interpret mode (CPU tests).
+      expert_ids: optional int[M], the layout's expert of each row, -1 on padding rows.
+        Programs whose rows are all padding are skipped: their rows of q and scales are
+        unspecified (the contiguous layout's padding, whose GEMM2 output nothing reads).
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
@@ -292,13 +327,22 @@ def act_and_quant(
         )
     _check_float_rows(h, "h", 2 * group_size)
     num_rows, two_i = h.shape
+    if expert_ids is not None and (
+        expert_ids.shape != (num_rows,) or not jnp.issubdtype(expert_ids.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"expert_ids.shape={expert_ids.shape} expert_ids.dtype={expert_ids.dtype} but "
+            f"int[{num_rows}] (one expert per row of h, -1 on padding) is needed"
+        )
     inter = two_i // 2
     num_groups = inter // group_size
     if num_rows == 0:
         return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
+    kernel = _act_quant_all_rows_kernel if expert_ids is None else _act_quant_kernel
     return _quantize_call(
-        functools.partial(_act_quant_kernel, activation=activation),
+        functools.partial(kernel, activation=activation),
         h,
+        expert_ids=None if expert_ids is None else expert_ids.astype(jnp.int32),
         num_rows=num_rows,
         num_groups=num_groups,
         group_size=group_size,

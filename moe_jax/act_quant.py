@@ -40,9 +40,15 @@ def group_quant_reference(x: jax.Array, *, group_size: int = 128) -> tuple[jax.A
 
 
 def act_and_quant_reference(
-    h: jax.Array, *, activation: str = "silu", group_size: int = 128
+    h: jax.Array,
+    *,
+    activation: str = "silu",
+    group_size: int = 128,
+    expert_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-JAX `act_and_quant`: `act_and_mul` then `quant.per_token_group_quant_fp8`."""
+    """Pure-JAX `act_and_quant`: `act_and_mul` then `quant.per_token_group_quant_fp8`, on every
+    row (padding rows named by `expert_ids` may be left unspecified; this computes them too)."""
+    del expert_ids
     return quant.per_token_group_quant_fp8(act_and_mul(h, activation), group_size)
 
 
@@ -112,7 +118,12 @@ def group_quant(
 
 
 def act_and_quant(
-    h: jax.Array, *, activation: str = "silu", group_size: int = 128, impl: str = AUTO
+    h: jax.Array,
+    *,
+    activation: str = "silu",
+    group_size: int = 128,
+    impl: str = AUTO,
+    expert_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
 
@@ -122,6 +133,10 @@ def act_and_quant(
       group_size: columns per scale (128 in vLLM's block recipe).
       impl: as for `group_quant`; the compiled kernel refuses activations it cannot lower, so
         "auto" takes XLA for those.
+      expert_ids: optional int[M], the contiguous layout's expert of each row (-1 on padding):
+        padding rows of the result are then unspecified, and the kernel skips whole blocks
+        of them (the layout pads each expert to the alignment; GEMM2's output there is
+        never read).
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
@@ -133,4 +148,6 @@ def act_and_quant(
         platform=current_platform(), dtype=jnp.dtype(h.dtype).name, activation=activation
     )
     chosen = ACT_QUANTS.select(impl, problem)
-    return _without_gradient(lambda v: chosen(v, activation=activation, group_size=group_size))(h)
+    return _without_gradient(
+        lambda v: chosen(v, activation=activation, group_size=group_size, expert_ids=expert_ids)
+    )(h)

@@ -222,13 +222,16 @@ def activate(
     *,
     impl: str = "auto",
     row_mask: jax.Array | None = None,
+    expert_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """act(gate) * up of GEMM1's output [M, 2I], requantized for GEMM2 on the FP8 path.
 
     Args:
       row_mask: optional bool[M]; on the float path rows where it is False come out as zeros
         (GEMM1 may leave garbage on padding rows, and the weight gradient sums whole segments).
-        The FP8 path (inference) leaves padding rows as the kernel writes them: GEMM2 skips them.
+      expert_ids: optional int32[M], the layout's expert per row (-1 on padding). The FP8 path
+        (inference) leaves padding rows unspecified, and with these may skip computing them:
+        GEMM2's output on padding rows is never read.
 
     Returns:
       ([M, I] in h's dtype, None) without quantization; (float8_e4m3fn[M, I], float32[M, I/128])
@@ -237,7 +240,11 @@ def activate(
     if call.quant_config is None:
         return act_and_mul(h, call.activation, row_mask=row_mask), None
     return act_quant.act_and_quant(
-        h, activation=call.activation, group_size=call.quant_config.group_size, impl=impl
+        h,
+        activation=call.activation,
+        group_size=call.quant_config.group_size,
+        impl=impl,
+        expert_ids=expert_ids,
     )
 
 
@@ -375,9 +382,17 @@ class ContiguousExperts(Experts):
 
     def activate(self, h: jax.Array, call: ExpertsCall, lay=None):
         """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
-        (GEMM1 may leave garbage there, and the weight gradient sums over whole segments)."""
-        row_mask = None if lay is None else lay.expert_ids >= 0
-        return activate(h, call, impl=self.act_quant_impl, row_mask=row_mask)
+        (GEMM1 may leave garbage there, and the weight gradient sums over whole segments); on
+        the FP8 path the kernel skips blocks of padding rows, which stay unspecified."""
+        if lay is None:
+            return activate(h, call, impl=self.act_quant_impl)
+        return activate(
+            h,
+            call,
+            impl=self.act_quant_impl,
+            row_mask=lay.expert_ids >= 0,
+            expert_ids=lay.expert_ids,
+        )
 
     def second_gemm(
         self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall

@@ -205,6 +205,36 @@ def test_every_tiling_quantizes_the_same_bits(impl, config):
         )
 
 
+@pytest.mark.parametrize("impl", IMPLS[1:])
+def test_padding_blocks_are_skipped_and_used_rows_unchanged(impl):
+    """With the layout's expert ids, 16-row programs whose rows are all padding (-1) write
+    nothing; a program with any used row computes all of its rows. Used rows equal the
+    reference (bitwise in interpret mode; one FP8 step compiled, as above), and the skipped
+    rows' scales are not what computing them gives (the buffer keeps whatever it held)."""
+    problem = Problem(80, 256, "bfloat16", seed=8)
+    h = _inputs(problem, scale=4.0, salt=5)
+    ids = np.full(80, -1, np.int32)
+    ids[0:21] = 0  # block 0 used, block 1 rows 16-20 used then padding
+    ids[48:51] = 3  # block 3: three used rows; blocks 2 and 4 are all padding
+    q, scales = act_and_quant(
+        h,
+        config=ActQuantConfig(block_m=16),
+        interpret=impl == "pallas_interpret",
+        expert_ids=jnp.asarray(ids),
+    )
+    q_ref, s_ref = map(np.asarray, _xla_reference(act_and_quant_reference, h))
+    computed = np.zeros(80, bool)
+    computed[0:32] = computed[48:64] = True
+    got = (np.asarray(q)[computed], np.asarray(scales)[computed])
+    if impl == "pallas":
+        _assert_within_one_step(*got, q_ref[computed], s_ref[computed], max_flips=0.01)
+    else:
+        _assert_bitwise(got, (q_ref[computed], s_ref[computed]))
+    assert not np.any(np.asarray(scales)[~computed] == s_ref[~computed])
+    with pytest.raises(ValueError, match=r"expert_ids.shape=\(79,\)"):
+        act_and_quant(h, interpret=True, expert_ids=jnp.zeros(79, jnp.int32))
+
+
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="multiple of 256"):
         act_and_quant(jnp.zeros((4, 200), jnp.bfloat16))
