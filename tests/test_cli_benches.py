@@ -115,22 +115,13 @@ def test_kernel_gaps_refuses_without_a_gpu(capsys):
 def test_kernel_gaps_times_kernels_per_forward_by_median():
     from moe_jax.cli.kernel_gaps import KernelEvent, KernelTime, kernel_times, short_name
 
-    forwards = [
+    forwards = [  # gemm then two copies, per forward: gemm 10/30/20, copies 2x1, 2x2, 2x3
         [
-            KernelEvent("gemm", 0.0, 10.0),
-            KernelEvent("copy", 10.0, 1.0),
-            KernelEvent("copy", 12.0, 1.0),
-        ],
-        [
-            KernelEvent("gemm", 0.0, 30.0),
-            KernelEvent("copy", 30.0, 2.0),
-            KernelEvent("copy", 33.0, 2.0),
-        ],
-        [
-            KernelEvent("gemm", 0.0, 20.0),
-            KernelEvent("copy", 20.0, 3.0),
-            KernelEvent("copy", 24.0, 3.0),
-        ],
+            KernelEvent("gemm", 0.0, gemm),
+            KernelEvent("copy", gemm, copy),
+            KernelEvent("copy", gemm + copy + 1.0, copy),
+        ]
+        for gemm, copy in ((10.0, 1.0), (30.0, 2.0), (20.0, 3.0))
     ]
     assert kernel_times(forwards) == [KernelTime("gemm", 20.0, 1), KernelTime("copy", 4.0, 2)]
     # a kernel missing from some forwards counts 0 there
