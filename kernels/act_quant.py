@@ -270,7 +270,7 @@ def group_quant(
     Args:
       x: bf16/float16/float32[M, H] tokens; H a multiple of `group_size`.
       group_size: columns per scale.
-      config: block sizes; None picks `heuristic_config(M)`.
+      config: block sizes; None picks `heuristic_config(M, H // group_size)`.
       interpret: run in Pallas interpret mode (CPU tests).
 
     Returns:

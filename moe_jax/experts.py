@@ -221,23 +221,22 @@ def activate(
     call: ExpertsCall,
     *,
     impl: str = "auto",
-    row_mask: jax.Array | None = None,
     expert_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """act(gate) * up of GEMM1's output [M, 2I], requantized for GEMM2 on the FP8 path.
 
     Args:
-      row_mask: optional bool[M]; on the float path rows where it is False come out as zeros
-        (GEMM1 may leave garbage on padding rows, and the weight gradient sums whole segments).
-      expert_ids: optional int32[M], the layout's expert per row (-1 on padding). The FP8 path
-        (inference) leaves padding rows unspecified, and with these may skip computing them:
-        GEMM2's output on padding rows is never read.
+      expert_ids: optional int32[M], the layout's expert per row (-1 on padding). On the float
+        path padding rows come out as zeros (GEMM1 may leave garbage there, and the weight
+        gradient sums whole segments); the FP8 path (inference) leaves them unspecified and
+        may skip computing them: GEMM2's output on padding rows is never read.
 
     Returns:
       ([M, I] in h's dtype, None) without quantization; (float8_e4m3fn[M, I], float32[M, I/128])
       on the FP8 path, through `moe_jax.act_quant.act_and_quant(impl=impl)`.
     """
     if call.quant_config is None:
+        row_mask = None if expert_ids is None else expert_ids >= 0
         return act_and_mul(h, call.activation, row_mask=row_mask), None
     return act_quant.act_and_quant(
         h,
@@ -384,15 +383,8 @@ class ContiguousExperts(Experts):
         """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
         (GEMM1 may leave garbage there, and the weight gradient sums over whole segments); on
         the FP8 path the kernel skips blocks of padding rows, which stay unspecified."""
-        if lay is None:
-            return activate(h, call, impl=self.act_quant_impl)
-        return activate(
-            h,
-            call,
-            impl=self.act_quant_impl,
-            row_mask=lay.expert_ids >= 0,
-            expert_ids=lay.expert_ids,
-        )
+        expert_ids = None if lay is None else lay.expert_ids
+        return activate(h, call, impl=self.act_quant_impl, expert_ids=expert_ids)
 
     def second_gemm(
         self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall

@@ -86,9 +86,6 @@ def count_expert_num_tokens(
     return jnp.sum(one_hot, axis=0, dtype=jnp.int32)
 
 
-PAIRWISE_RANK_MAX_PAIRS = 512  # up to here contiguous_destinations ranks pairs pairwise
-
-
 def contiguous_num_rows(num_tokens: int, topk: int, num_experts: int, alignment: int) -> int:
     """Static worst-case row count of the contiguous layout.
 
@@ -121,6 +118,9 @@ class ContiguousLayout:
     expert_ends: jax.Array
 
 
+PAIRWISE_RANK_MAX_PAIRS = 512  # up to here contiguous_destinations ranks pairs pairwise
+
+
 def contiguous_destinations(
     local_ids: jax.Array, *, num_experts: int, alignment: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -144,8 +144,9 @@ def contiguous_destinations(
     # Rank of each pair among earlier pairs of the same expert: (token, slot) order.
     if flat.size <= PAIRWISE_RANK_MAX_PAIRS:
         # [P, P]: pair q < p with p's expert. On the H200 (2026-12-02, `kernel_gaps
-        # --decode-tokens 8` and 32) XLA fused the cumsum form below into one reduce taking
-        # 33-34 us at 64 and 256 pairs, recomputing the running sums per element.
+        # --decode-tokens 8` and 32) one routing reduce fusion took 33-34 us at 64 and 256
+        # pairs, most likely the cumsum form below fused into the rank's reduction (not
+        # confirmed from an HLO dump; this form is not yet timed there).
         earlier = jnp.arange(flat.size)[None, :] < jnp.arange(flat.size)[:, None]
         rank = jnp.sum(earlier & (flat[None, :] == flat[:, None]), axis=1, dtype=jnp.int32)
     else:

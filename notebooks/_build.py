@@ -462,11 +462,17 @@ float32. A decode step's floor is reading the active experts' weights once ("lim
 so the plot shows the backends themselves.
 """),
     code("""
-decode_path = pathlib.Path(os.environ.get("MOE_JAX_DECODE_JSON") or "decode_results.json")
-decode = json.loads(decode_path.read_text()) if decode_path.is_file() else None
-if decode is None:
-    print(f"no decode results at {decode_path}: run `python -m moe_jax bench --decode --json ...`")
-else:
+def load_results(env_var, default, command):
+    # The JSON at $env_var, else `default` next to this notebook; None (said) when absent.
+    path = pathlib.Path(os.environ.get(env_var) or default)
+    if path.is_file():
+        return json.loads(path.read_text())
+    print(f"no {default.removesuffix('.json').replace('_', ' ')} at {path}: run `{command}`")
+    return None
+
+decode = load_results("MOE_JAX_DECODE_JSON", "decode_results.json",
+                      "python -m moe_jax bench --decode --json ...")
+if decode is not None:
     env = decode["environment"]
     print(f"{env.get('device')}, jax {env.get('jax')}, {env.get('date')}")
     rows = decode["rows"]
@@ -506,11 +512,9 @@ past the kernels is the host's share (launches, the lead-in of each burst).
     code("""
 from moe_jax.cli.kernel_gaps import STAGES, OTHER_STAGE, stage_of
 
-profile_path = pathlib.Path(os.environ.get("MOE_JAX_PROFILE_JSON") or "profile_results.json")
-profiles = json.loads(profile_path.read_text()) if profile_path.is_file() else None
-if profiles is None:
-    print(f"no profiles at {profile_path}: run `python -m moe_jax.cli.kernel_gaps --json ...`")
-else:
+profiles = load_results("MOE_JAX_PROFILE_JSON", "profile_results.json",
+                        "python -m moe_jax.cli.kernel_gaps --json ...")
+if profiles is not None:
     env = profiles["environment"]
     print(f"{env['device']}, jax {env['jax']}, DeepGEMM {env['deep_gemm']}, {env['date']}")
     stage_names = [name for name, _ in STAGES] + [OTHER_STAGE]

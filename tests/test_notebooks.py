@@ -75,7 +75,7 @@ def test_performance_without_results(kernel_env, tmp_path):
     kernel_env.setenv("MOE_JAX_PROFILE_JSON", str(tmp_path / "absent_profiles.json"))
     out = execute("03_performance.ipynb")
     assert "no benchmark results at" in out
-    assert "no profiles at" in out
+    assert "no profile results at" in out
     assert "ridge points" in out
 
 
