@@ -40,33 +40,39 @@ CHECK_ROWS = 16
 # Relative error allowed against float32 (heuristic) and against the heuristic (candidates):
 # bf16 output rounding plus Hopper's FP8 MMA, whose 128-wide block sums depend on the tiling.
 TOLERANCE = 1e-2
-# (block_n, block_k, num_warps, num_stages, is_transposed) around the heuristic's choices.
-CANDIDATES = (
-    (64, 128, 4, 4, False),
-    (64, 128, 4, 6, False),
-    (128, 128, 4, 4, False),
-    (128, 128, 8, 4, False),
-    (32, 128, 4, 4, False),
-    (64, 64, 4, 6, False),
-    (64, 128, 4, 4, True),
-    (128, 128, 4, 3, True),
-    (128, 128, 4, 5, True),
-    (128, 128, 8, 4, True),
-    (128, 64, 4, 6, True),
+# Changes to the heuristic's config around its choices: tiles, warps, stages, the transposed
+# dot, and row blocks of 32 and 64 rows that span the 16-row segments (`GroupedGemmConfig`).
+CANDIDATES = tuple(
+    dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, is_transposed=t, **rows)
+    for rows in ({}, dict(block_m=16))
+    for bn, bk, warps, stages, t in (
+        (64, 128, 4, 4, False),
+        (64, 128, 4, 6, False),
+        (128, 128, 4, 4, False),
+        (128, 128, 8, 4, False),
+        (32, 128, 4, 4, False),
+        (64, 64, 4, 6, False),
+        (64, 128, 4, 4, True),
+        (128, 128, 4, 3, True),
+        (128, 128, 4, 5, True),
+        (128, 128, 8, 4, True),
+        (128, 64, 4, 6, True),
+    )
+) + tuple(
+    dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, is_transposed=True)
+    for bm in (32, 64)
+    for bn, warps, stages in ((64, 4, 4), (128, 4, 3), (128, 4, 5), (128, 8, 4))
 )
 
 
-def _layout(
-    shape: decode_bench.DecodeShape, num_tokens: int, k: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(rows fp8[M, k], row_scales float32[M, k/128], expert_ids int32[M]) of one decode batch."""
+def _layout(shape: decode_bench.DecodeShape, num_tokens: int, k: int) -> layouts.ContiguousLayout:
+    """The contiguous layout (FP8 rows [M, k] with scales, alignment 16) of one decode batch."""
     _, _, topk_ids = decode_bench.make_tokens(shape, num_tokens)
     x = jax.random.normal(jax.random.PRNGKey(num_tokens), (num_tokens, k), jnp.float32)
     q, scales = quant.per_token_group_quant_fp8(x, 128)
-    lay = layouts.permute_reference(
+    return layouts.permute_reference(
         q, topk_ids, num_experts=shape.num_experts, x_scales=scales, alignment=ALIGNMENT
     )
-    return lay.rows, lay.row_scales, lay.expert_ids
 
 
 def _weight_bytes(w: jax.Array, w_scales: jax.Array, expert_ids: jax.Array) -> int:
@@ -77,70 +83,72 @@ def _weight_bytes(w: jax.Array, w_scales: jax.Array, expert_ids: jax.Array) -> i
     return active * per_expert
 
 
-def sweep_one(
-    x: jax.Array,
-    x_scales: jax.Array,
-    expert_ids: jax.Array,
-    w: jax.Array,
-    w_scales: jax.Array,
-    *,
-    samples: int,
-    interpret: bool,
-) -> list[dict]:
-    """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM.
-
-    Args:
-      x: float8_e4m3fn[M, K] rows sorted by expert in 16-row segments; x_scales float32[M, K/128].
-      expert_ids: int32[M], -1 on padding rows.
-      w: float8_e4m3fn[E, N, K]; w_scales float32[E, N/128, K/128].
-      samples: streamed samples (of `timing.BURST` calls) per config.
-      interpret: Pallas interpret mode (off a GPU).
-
-    Returns:
-      [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
-      heuristic's by more than `TOLERANCE`, or that fails to run, is {config, failed} at the end.
-    """
-    heuristic = gemm_kernels.heuristic_config(
-        num_rows=x.shape[0],
+def heuristic_of(lay: layouts.ContiguousLayout, w: jax.Array) -> gemm_kernels.GroupedGemmConfig:
+    """The kernel's heuristic config for this layout and weights (as the "pallas" backend)."""
+    return gemm_kernels.heuristic_config(
+        num_rows=lay.rows.shape[0],
         num_experts=w.shape[0],
         n=w.shape[1],
         k=w.shape[2],
         alignment=ALIGNMENT,
         is_fp8=True,
+        has_expert_ends=True,
     )
-    configs = [("heuristic", heuristic)]
-    for block_n, block_k, warps, stages, transposed in CANDIDATES:
-        config = dataclasses.replace(
-            heuristic,
-            block_n=block_n,
-            block_k=block_k,
-            num_warps=warps,
-            num_stages=stages,
-            is_transposed=transposed,
-        )
-        if config != heuristic and w.shape[1] % block_n == 0:
-            configs.append((_describe(config), config))
+
+
+def sweep_one(
+    lay: layouts.ContiguousLayout,
+    w: jax.Array,
+    w_scales: jax.Array,
+    *,
+    samples: int,
+    interpret: bool,
+    block_m: Sequence[int] | None = None,
+) -> list[dict]:
+    """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM.
+
+    Args:
+      lay: float8_e4m3fn rows [M, K] sorted by expert in 16-row segments, with row scales
+        float32[M, K/128], expert_ids int32[M] (-1 on padding rows) and expert_ends int32[E].
+      w: float8_e4m3fn[E, N, K]; w_scales float32[E, N/128, K/128].
+      samples: streamed samples (of `timing.BURST` calls) per config.
+      interpret: Pallas interpret mode (off a GPU).
+      block_m: time only the candidates with these row blocks (None: all); the heuristic always.
+
+    Returns:
+      [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
+      heuristic's by more than `TOLERANCE`, or that fails to run, is {config, failed} at the end.
+    """
+    heuristic = heuristic_of(lay, w)
+    configs = {"heuristic": heuristic}
+    for changes in CANDIDATES:
+        config = dataclasses.replace(heuristic, **changes)
+        if block_m is not None and config.block_m not in block_m:
+            continue
+        if config != heuristic and w.shape[1] % config.block_n == 0:
+            configs.setdefault(_describe(config), config)
 
     def run(config):
         return jax.jit(
-            lambda x, s, ids, w, ws: gemm_kernels.grouped_gemm_contiguous(
+            lambda x, s, ids, ends, w, ws: gemm_kernels.grouped_gemm_contiguous(
                 x,
                 w,
                 ids,
                 x_scales=s,
                 w_scales=ws,
                 alignment=ALIGNMENT,
+                expert_ends=ends,
                 config=config,
                 interpret=interpret,
             )
         )
 
-    operands = (x, x_scales, expert_ids, w, w_scales)
+    operands = (lay.rows, lay.row_scales, lay.expert_ids, lay.expert_ends, w, w_scales)
     want = run(heuristic)(*operands)
-    valid = np.asarray(expert_ids) >= 0
-    num_bytes = _weight_bytes(w, w_scales, expert_ids)
+    valid = np.asarray(lay.expert_ids) >= 0
+    num_bytes = _weight_bytes(w, w_scales, lay.expert_ids)
     results = []
-    for name, config in configs:
+    for name, config in configs.items():
         fn = run(config)
         try:
             got = fn(*operands)
@@ -162,34 +170,31 @@ def sweep_one(
 
 def _describe(config: Any) -> str:
     return (
-        f"bn{config.block_n} bk{config.block_k} w{config.num_warps} s{config.num_stages}"
-        f"{' T' if config.is_transposed else ''}"
+        f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
+        f"s{config.num_stages}{' T' if config.is_transposed else ''}"
     )
 
 
 def _check_heuristic(
-    x: jax.Array,
-    x_scales: jax.Array,
-    expert_ids: jax.Array,
-    w: jax.Array,
-    w_scales: jax.Array,
-    *,
-    interpret: bool,
+    lay: layouts.ContiguousLayout, w: jax.Array, w_scales: jax.Array, *, interpret: bool
 ) -> float:
-    """Rel. error of the heuristic's output against float32 on the first valid rows (only
-    their experts' weights are dequantized, so it fits for E=256)."""
-    keep = np.flatnonzero(np.asarray(expert_ids) >= 0)[:CHECK_ROWS]
+    """Rel. error of the heuristic's output against float32 on `CHECK_ROWS` valid rows spread
+    over the layout (only their experts' weights are dequantized, so it fits for E=256)."""
+    valid = np.flatnonzero(np.asarray(lay.expert_ids) >= 0)
+    keep = valid[np.unique(np.linspace(0, valid.size - 1, CHECK_ROWS).astype(int))]
     got = gemm_kernels.grouped_gemm_contiguous(
-        x,
+        lay.rows,
         w,
-        expert_ids,
-        x_scales=x_scales,
+        lay.expert_ids,
+        x_scales=lay.row_scales,
         w_scales=w_scales,
         alignment=ALIGNMENT,
+        expert_ends=lay.expert_ends,
         out_dtype=jnp.float32,
         interpret=interpret,
     )[keep]
-    ids = expert_ids[keep]
+    ids = lay.expert_ids[keep]
+    x, x_scales = lay.rows, lay.row_scales
     rows = quant.dequant_per_token_group(x[keep], x_scales[keep])
     per_row = quant.dequant_per_block(w[ids], w_scales[ids])  # float32[rows, N, K]
     want = jnp.einsum("mk,mnk->mn", rows, per_row, precision=jax.lax.Precision.HIGHEST)
@@ -205,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gemms", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="which GEMMs"
     )
     parser.add_argument("--samples", type=int, default=5, help="streamed samples per config")
+    parser.add_argument(
+        "--block-m", type=int, nargs="+", help="time only candidates with these row blocks"
+    )
     parser.add_argument(
         "--shape",
         choices=sorted(decode_bench.SHAPES),
@@ -225,10 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for num_tokens in tokens:
         for gemm in args.gemms:
             k, w, w_scales = gemm_operands[gemm]
-            x, x_scales, ids = _layout(shape, num_tokens, k)
-            error = _check_heuristic(x, x_scales, ids, w, w_scales, interpret=not on_gpu)
+            lay = _layout(shape, num_tokens, k)
+            error = _check_heuristic(lay, w, w_scales, interpret=not on_gpu)
             print(
-                f"T={num_tokens} GEMM{gemm} [{x.shape[0]}, {k}] x {list(w.shape)}: heuristic rel "
+                f"T={num_tokens} GEMM{gemm} [{lay.rows.shape[0]}, {k}] x {list(w.shape)}: "
+                f"heuristic ({_describe(heuristic_of(lay, w))}) rel "
                 f"error vs float32 {error:.2e}",
                 flush=True,
             )
@@ -238,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report.append(dict(tokens=num_tokens, gemm=gemm, rel_error=error, results=[]))
                 continue
             results = sweep_one(
-                x, x_scales, ids, w, w_scales, samples=args.samples, interpret=not on_gpu
+                lay, w, w_scales, samples=args.samples, interpret=not on_gpu, block_m=args.block_m
             )
             for r in results:
                 if "failed" in r:
