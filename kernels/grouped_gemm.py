@@ -20,14 +20,6 @@ expert) the cost is reading each active expert's weights once, so padding to 16 
 DeepGEMM's 128 wastes little arithmetic. Row blocks run fastest in the grid, so the blocks of one
 expert stream the same weight tile at about the same time and share it through L2.
 
-Row blocks may also span segments (`block_m` a multiple of the alignment, with the layout's
-`expert_ends`): grid steps then start every `alignment` rows, and the step at row r computes only
-if r is a multiple of block_m from its segment's start, storing the block's rows before that
-segment's end (the rest of the block, the next experts' rows, is computed and dropped). A
-segment of 20 rows at alignment 16 (32 padded rows) then streams its weights in one program of
-32 rows instead of two of 16, which matters once segments average more than one block (T=512 on
-DeepSeek-V3's 256 experts: 16 rows per expert on average).
-
 Pallas Triton lowers FP8 dots on sm_90 (H200, jax 0.11.2), and the heuristic feeds FP8 tiles to
 the dot as vLLM's Triton kernel does (`GroupedGemmConfig.is_fp8_dot`); Hopper's FP8 MMA sums a
 128-wide K block with fewer than float32's bits before the per-block scales apply in float32.
@@ -46,7 +38,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from moe_jax import grouped_gemm, quant
 from moe_jax.kernels import _triton, _wide_offsets
@@ -54,7 +45,6 @@ from moe_jax.kernels import _triton, _wide_offsets
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
 SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which the heuristic takes [16, 64] tiles
-SPANNING_MAX_ROWS = 32  # largest row block the heuristic lets span segments (needs expert_ends)
 _FLOAT_DTYPES = ("bfloat16", "float16")
 
 
@@ -63,8 +53,7 @@ class GroupedGemmConfig:
     """Tunables of the grouped GEMM kernel.
 
     Attributes:
-      block_m: rows per program, a power of two >= 16 dividing the layout's alignment, or a
-        multiple of it when the call has the layout's expert_ends (blocks spanning segments).
+      block_m: rows per program, a power of two >= 16 dividing the layout's alignment.
       block_n: output columns per program (power of two >= 16; at most 128 and dividing 128 for
         FP8, so one weight scale covers the tile).
       block_k: K columns per loop step (power of two >= 16; divides 128 for FP8).
@@ -73,6 +62,9 @@ class GroupedGemmConfig:
       is_transposed: compute the tile as w_tile @ x_tile.T ([block_n, block_m]), so the weight
         rows fill the matrix unit's large M side when block_m is small (Hopper's wgmma wants 64).
       is_fp8_dot: feed FP8 tiles to the dot as they are instead of upcasting them to bf16.
+      is_column_major: launch the grid column tiles first, so the N tiles of one row block run
+        together and share its x rows through L2 (else row blocks first: x is streamed once
+        per column tile, from DRAM once it outgrows L2).
     """
 
     block_m: int = 16
@@ -82,6 +74,7 @@ class GroupedGemmConfig:
     num_stages: int = 4
     is_transposed: bool = False
     is_fp8_dot: bool = False
+    is_column_major: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -98,14 +91,7 @@ class GroupedGemmConfig:
 
 
 def heuristic_config(
-    *,
-    num_rows: int,
-    num_experts: int,
-    n: int,
-    k: int,
-    alignment: int,
-    is_fp8: bool,
-    has_expert_ends: bool = False,
+    *, num_rows: int, num_experts: int, n: int, k: int, alignment: int, is_fp8: bool
 ) -> GroupedGemmConfig:
     """Tiles for an [M, K] x [E, N, K] call whose segments are `alignment`-row multiples.
 
@@ -122,9 +108,6 @@ def heuristic_config(
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, min(64, mean_rows)))
-    spanning_m = min(SPANNING_MAX_ROWS, mean_rows)
-    if has_expert_ends and spanning_m > block_m and spanning_m % alignment == 0:
-        block_m = spanning_m
     is_long = mean_rows > SHORT_SEGMENT_ROWS
     block_n = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(n, 128 if is_long else 64))
     block_k = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(k, 128))
@@ -141,7 +124,6 @@ def heuristic_config(
 def _grouped_gemm_kernel(
     # inputs
     expert_ids_ref,
-    expert_ends_ref,
     x_ref,
     x_scales_ref,
     w_ref,
@@ -152,34 +134,25 @@ def _grouped_gemm_kernel(
     block_m: int,
     block_n: int,
     block_k: int,
-    slot_rows: int,
     num_k_blocks: int,
     num_experts: int,
     is_transposed: bool,
     is_fp8_dot: bool,
     is_packed: bool,
+    is_column_major: bool,
 ):
     """One [block_m, block_n] output tile of one expert's rows (see the module docstring).
 
-    Grid step i along M starts at row i * slot_rows: block_m when row blocks tile the segments
-    (expert_ends_ref None), else the alignment, and then only the steps at a block_m multiple
-    from their segment's start compute, storing the rows before the segment's end.
     With `is_packed`, w_ref holds the FP8 weights as uint16 byte pairs [E, N, K/2] (see
     `_needs_packing`): the low bytes are the even K columns, the high bytes the odd ones, so
     the tile's dot is split into those two halves, each against x's matching strided columns.
     """
-    row0 = pl.multiple_of(pl.program_id(0) * slot_rows, slot_rows)
-    col0 = pl.program_id(1) * block_n
+    row_axis, col_axis = (1, 0) if is_column_major else (0, 1)
+    row0 = pl.program_id(row_axis) * block_m
+    col0 = pl.program_id(col_axis) * block_n
     expert = expert_ids_ref[row0]
-    runs = (expert >= 0) & (expert < num_experts)
-    segment_end = None
-    if expert_ends_ref is not None:
-        safe = jnp.clip(expert, 0, num_experts - 1)
-        segment_start = jnp.where(safe > 0, expert_ends_ref[jnp.maximum(safe - 1, 0)], 0)
-        segment_end = expert_ends_ref[safe]
-        runs &= (row0 - segment_start) % block_m == 0
 
-    @pl.when(runs)
+    @pl.when((expert >= 0) & (expert < num_experts))
     def _compute():
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
@@ -217,25 +190,11 @@ def _grouped_gemm_kernel(
         acc = jax.lax.fori_loop(0, num_k_blocks, step, jnp.zeros(shape, jnp.float32))
         if is_transposed:
             acc = acc.T
-        tile = out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)]
-        if segment_end is None:
-            tile[...] = acc.astype(out_ref.dtype)
-        else:  # the block reaches past the segment: store this expert's rows only
-            rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
-            plt.store(tile, acc.astype(out_ref.dtype), mask=rows < segment_end)
+        out_ref[pl.ds(row0, block_m), pl.ds(col0, block_n)] = acc.astype(out_ref.dtype)
 
 
-def _kernel_entry(*refs, has_ends: bool, has_scales: bool, **kwargs):
-    """Unpacks the pallas_call's refs (optional expert_ends and scales) for the kernel."""
-    refs = list(refs)
-    expert_ids = refs.pop(0)
-    expert_ends = refs.pop(0) if has_ends else None
-    x = refs.pop(0)
-    x_scales = refs.pop(0) if has_scales else None
-    w = refs.pop(0)
-    w_scales = refs.pop(0) if has_scales else None
-    (out,) = refs
-    _grouped_gemm_kernel(expert_ids, expert_ends, x, x_scales, w, w_scales, out, **kwargs)
+def _grouped_gemm_unscaled_kernel(expert_ids_ref, x_ref, w_ref, out_ref, **kwargs):
+    _grouped_gemm_kernel(expert_ids_ref, x_ref, None, w_ref, None, out_ref, **kwargs)
 
 
 def _byte(pairs: jax.Array, odd: int) -> jax.Array:
@@ -300,7 +259,6 @@ def grouped_gemm_contiguous(
     x_scales: jax.Array | None = None,
     w_scales: jax.Array | None = None,
     alignment: int,
-    expert_ends: jax.Array | None = None,
     out_dtype: jnp.dtype = jnp.bfloat16,
     config: GroupedGemmConfig | None = None,
     interpret: bool = False,
@@ -314,10 +272,7 @@ def grouped_gemm_contiguous(
       expert_ids: int32[M] expert of each row, -1 on padding rows.
       x_scales: float32[M, K/128] FP8 row-group scales, else None.
       w_scales: float32[E, N/128, K/128] FP8 block scales, else None.
-      alignment: the segments' row multiple (a multiple of 16). `config.block_m` divides it, or
-        is a multiple of it when `expert_ends` is given (row blocks spanning segments).
-      expert_ends: int32[E] one past each expert's (padded) segment, the layout's
-        `expert_ends`; None allows only row blocks that divide the alignment.
+      alignment: the segments' row multiple (a multiple of 16); `config.block_m` must divide it.
       out_dtype: output dtype (bf16 on the FP8 path).
       config: tiles; None picks `heuristic_config(...)`.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
@@ -343,20 +298,12 @@ def grouped_gemm_contiguous(
             k=k,
             alignment=alignment,
             is_fp8=has_scales,
-            has_expert_ends=expert_ends is not None,
         )
-    is_spanning = _check_config(
-        config, n=n, k=k, alignment=alignment, is_fp8=has_scales, has_ends=expert_ends is not None
-    )
-    if expert_ends is not None and expert_ends.shape != (num_experts,):
-        raise ValueError(f"{expert_ends.shape=} but int32[E] is needed for {w.shape=}")
+    _check_config(config, n=n, k=k, alignment=alignment, is_fp8=has_scales)
     if num_rows == 0:
         return jnp.zeros((0, n), out_dtype)
-    # Grid steps start every `slot_rows` rows; each reads block_m rows, so pad M to cover the
-    # last step's block (segments are alignment multiples but M need not be).
-    slot_rows = alignment if is_spanning else config.block_m
-    num_slots = -(-num_rows // slot_rows)
-    padded_rows = num_slots * slot_rows + config.block_m - slot_rows
+    # Segments are alignment multiples but M need not be: pad it to whole row blocks.
+    padded_rows = -(-num_rows // config.block_m) * config.block_m
     expert_ids = expert_ids.astype(jnp.int32)
     if padded_rows != num_rows:
         extra = padded_rows - num_rows
@@ -370,26 +317,23 @@ def grouped_gemm_contiguous(
             jnp.uint16,
         )
     kernel = functools.partial(
-        _kernel_entry,
-        has_ends=is_spanning,
-        has_scales=has_scales,
+        _grouped_gemm_kernel if has_scales else _grouped_gemm_unscaled_kernel,
         block_m=config.block_m,
         block_n=config.block_n,
         block_k=config.block_k,
-        slot_rows=slot_rows,
         num_k_blocks=k // config.block_k,
         num_experts=num_experts,
         is_transposed=config.is_transposed,
         is_fp8_dot=config.is_fp8_dot,
         is_packed=is_packed,
+        is_column_major=config.is_column_major,
     )
-    ends = (expert_ends.astype(jnp.int32),) if is_spanning else ()
-    scaled = ((x, x_scales), (w, w_scales)) if has_scales else ((x,), (w,))
-    operands = (expert_ids, *ends, *scaled[0], *scaled[1])
+    grid = (padded_rows // config.block_m, n // config.block_n)
+    operands = (expert_ids, x, x_scales, w, w_scales) if has_scales else (expert_ids, x, w)
     with _triton.quiet_triton_deprecation():
         y = pl.pallas_call(
             kernel,
-            grid=(num_slots, n // config.block_n),
+            grid=grid[::-1] if config.is_column_major else grid,
             out_shape=jax.ShapeDtypeStruct((padded_rows, n), out_dtype),
             interpret=interpret,
             compiler_params=_triton.compiler_params(
@@ -397,20 +341,15 @@ def grouped_gemm_contiguous(
             ),
             name=f"grouped_gemm_{config.block_m=}_{config.block_n=}_{config.block_k=}"
             f"_{config.num_warps=}_{config.num_stages=}_{config.is_transposed=}"
-            f"_{config.is_fp8_dot=}_{is_packed=}",
+            f"_{config.is_fp8_dot=}_{is_packed=}_{config.is_column_major=}",
         )(*operands)
     return y[:num_rows]
 
 
-def _check_config(
-    config: GroupedGemmConfig, *, n: int, k: int, alignment: int, is_fp8: bool, has_ends: bool
-) -> bool:
-    """Checks the tiles against the problem; True when row blocks span segments."""
-    is_spanning = alignment % config.block_m != 0
-    if is_spanning and (config.block_m % alignment or not has_ends):
+def _check_config(config: GroupedGemmConfig, *, n: int, k: int, alignment: int, is_fp8: bool):
+    if alignment % config.block_m:
         raise ValueError(
-            f"{config.block_m=} does not divide {alignment=}: a row block spanning segments "
-            "needs block_m a multiple of the alignment and the layout's expert_ends"
+            f"{config.block_m=} does not divide {alignment=}: a row block would span experts"
         )
     if n % config.block_n or k % config.block_k:
         raise ValueError(f"{config.block_n=} and {config.block_k=} must divide N={n} and K={k}")
@@ -418,7 +357,6 @@ def _check_config(
         raise ValueError(
             f"{config.block_n=} and {config.block_k=} must divide {SCALE_BLOCK} (FP8 block scales)"
         )
-    return is_spanning
 
 
 def grouped_gemm_contiguous_reference(
@@ -492,18 +430,13 @@ class PallasGemm(grouped_gemm.GroupedGemm):
             return self.config
         num_experts, n, k = w.shape
         return heuristic_config(
-            num_rows=num_rows,
-            num_experts=num_experts,
-            n=n,
-            k=k,
-            alignment=alignment,
-            is_fp8=is_fp8,
-            has_expert_ends=True,
+            num_rows=num_rows, num_experts=num_experts, n=n, k=k, alignment=alignment, is_fp8=is_fp8
         )
 
     def contiguous(
         self, x, w, expert_ids, expert_ends, *, x_scales=None, w_scales=None, alignment, out_dtype
     ):
+        del expert_ends  # each row block's expert comes from expert_ids
         config = self._config(x.shape[0], w, alignment, x_scales is not None)
         return grouped_gemm_contiguous(
             x,
@@ -512,7 +445,6 @@ class PallasGemm(grouped_gemm.GroupedGemm):
             x_scales=x_scales,
             w_scales=w_scales,
             alignment=alignment,
-            expert_ends=expert_ends,
             out_dtype=out_dtype,
             config=config,
             interpret=self.interpret,

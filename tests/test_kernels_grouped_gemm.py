@@ -145,6 +145,7 @@ CONFIGS = [
     gg.GroupedGemmConfig(block_m=16, block_n=16, block_k=32, num_stages=1),
     gg.GroupedGemmConfig(block_m=32, block_n=128, is_transposed=True),
     gg.GroupedGemmConfig(block_m=16, block_n=64, block_k=64, is_fp8_dot=True),
+    gg.GroupedGemmConfig(block_m=32, block_n=128, is_transposed=True, is_column_major=True),
 ]
 
 
@@ -158,72 +159,6 @@ def test_grouped_gemm_configs(impl, config):
     y = _run(impl, lay, w, w_scales, alignment=32, out_dtype=jnp.float32, config=config)
     tol = FP8_DOT_TOL if config.is_fp8_dot else TOL[jnp.float32]
     _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
-
-
-SPANNING_CONFIGS = [
-    gg.GroupedGemmConfig(block_m=32, block_n=64, block_k=64),
-    gg.GroupedGemmConfig(block_m=64, block_n=128, is_transposed=True, is_fp8_dot=True),
-]
-
-
-@pytest.mark.parametrize("impl", IMPLS[1:])
-@pytest.mark.parametrize("config", SPANNING_CONFIGS, ids=repr)
-def test_row_blocks_spanning_segments(impl, config):
-    """block_m above the alignment: each program stores only its own segment's rows.
-
-    70 tokens x 3 slots over 9 experts at alignment 16, expert 7 in every token's first slot,
-    give segments of 0 to 96 rows, so blocks of 32 and 64 rows start inside segments, hold
-    several, and run past the last one; duplicate experts in a row, ids outside [0, E) and an
-    empty expert are in the routing.
-    """
-    problem = Problem("fp8_spanning", 70, 3, 9, 256, 256)
-    rng = np.random.default_rng(21)
-    x, w, x_scales, w_scales, ids = _operands(problem, rng)
-    ids[:, 0] = 7
-    ids[0] = [2, 2, 2]
-    ids[ids == 4] = 5  # expert 4 empty
-    lay = oracles.permute(x, ids, problem.num_experts, alignment=16, x_scales=x_scales)
-    lengths = np.diff(np.concatenate([[0], lay["expert_ends"]]))
-    assert lengths.max() > config.block_m and (lengths == 0).any()
-    assert (np.concatenate([[0], lay["expert_ends"]]) % config.block_m).any()
-    y = gg.grouped_gemm_contiguous(
-        jnp.asarray(lay["rows"]),
-        jnp.asarray(w),
-        jnp.asarray(lay["expert_ids"], jnp.int32),
-        x_scales=jnp.asarray(lay["row_scales"]),
-        w_scales=jnp.asarray(w_scales),
-        alignment=16,
-        expert_ends=jnp.asarray(lay["expert_ends"], jnp.int32),
-        out_dtype=jnp.float32,
-        config=config,
-        interpret=impl == "pallas_interpret",
-    )
-    tol = FP8_DOT_TOL if config.is_fp8_dot else TOL[jnp.float32]
-    _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
-
-
-def test_spanning_row_blocks_need_expert_ends():
-    x = jnp.zeros((32, 128), jnp.bfloat16)
-    w = jnp.zeros((2, 64, 128), jnp.bfloat16)
-    ids = jnp.zeros((32,), jnp.int32)
-    config = gg.GroupedGemmConfig(block_m=32)
-    with pytest.raises(ValueError, match="expert_ends"):
-        gg.grouped_gemm_contiguous(x, w, ids, alignment=16, config=config, interpret=True)
-    with pytest.raises(ValueError, match="multiple of the alignment"):
-        gg.grouped_gemm_contiguous(
-            x, w, ids, alignment=48, expert_ends=jnp.array([32, 32]), config=config
-        )
-    with pytest.raises(ValueError, match="expert_ends.shape"):
-        gg.grouped_gemm_contiguous(
-            x, w, ids, alignment=16, expert_ends=jnp.array([32]), config=config
-        )
-
-
-def test_heuristic_spans_segments_only_with_expert_ends():
-    shape = dict(num_experts=256, n=4096, k=7168, alignment=16, is_fp8=True)
-    assert gg.heuristic_config(num_rows=6400, **shape).block_m == 16
-    assert gg.heuristic_config(num_rows=6400, **shape, has_expert_ends=True).block_m == 32
-    assert gg.heuristic_config(num_rows=4096, **shape, has_expert_ends=True).block_m == 16
 
 
 def test_rows_not_a_multiple_of_block_m_are_padded():

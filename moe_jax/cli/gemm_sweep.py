@@ -40,11 +40,19 @@ CHECK_ROWS = 16
 # Relative error allowed against float32 (heuristic) and against the heuristic (candidates):
 # bf16 output rounding plus Hopper's FP8 MMA, whose 128-wide block sums depend on the tiling.
 TOLERANCE = 1e-2
-# Changes to the heuristic's config around its choices: tiles, warps, stages, the transposed
-# dot, and row blocks of 32 and 64 rows that span the 16-row segments (`GroupedGemmConfig`).
+# Changes to the heuristic's config around its choices (`GroupedGemmConfig`): tiles, warps,
+# stages and the transposed dot, each with the grid launched row blocks first and column tiles
+# first.
 CANDIDATES = tuple(
-    dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, is_transposed=t, **rows)
-    for rows in ({}, dict(block_m=16))
+    dict(
+        block_n=bn,
+        block_k=bk,
+        num_warps=warps,
+        num_stages=stages,
+        is_transposed=t,
+        is_column_major=columns_first,
+    )
+    for columns_first in (False, True)
     for bn, bk, warps, stages, t in (
         (64, 128, 4, 4, False),
         (64, 128, 4, 6, False),
@@ -58,10 +66,6 @@ CANDIDATES = tuple(
         (128, 128, 8, 4, True),
         (128, 64, 4, 6, True),
     )
-) + tuple(
-    dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, is_transposed=True)
-    for bm in (32, 64)
-    for bn, warps, stages in ((64, 4, 4), (128, 4, 3), (128, 4, 5), (128, 8, 4))
 )
 
 
@@ -92,7 +96,6 @@ def heuristic_of(lay: layouts.ContiguousLayout, w: jax.Array) -> gemm_kernels.Gr
         k=w.shape[2],
         alignment=ALIGNMENT,
         is_fp8=True,
-        has_expert_ends=True,
     )
 
 
@@ -103,17 +106,15 @@ def sweep_one(
     *,
     samples: int,
     interpret: bool,
-    block_m: Sequence[int] | None = None,
 ) -> list[dict]:
     """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM.
 
     Args:
       lay: float8_e4m3fn rows [M, K] sorted by expert in 16-row segments, with row scales
-        float32[M, K/128], expert_ids int32[M] (-1 on padding rows) and expert_ends int32[E].
+        float32[M, K/128] and expert_ids int32[M] (-1 on padding rows).
       w: float8_e4m3fn[E, N, K]; w_scales float32[E, N/128, K/128].
       samples: streamed samples (of `timing.BURST` calls) per config.
       interpret: Pallas interpret mode (off a GPU).
-      block_m: time only the candidates with these row blocks (None: all); the heuristic always.
 
     Returns:
       [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
@@ -123,27 +124,24 @@ def sweep_one(
     configs = {"heuristic": heuristic}
     for changes in CANDIDATES:
         config = dataclasses.replace(heuristic, **changes)
-        if block_m is not None and config.block_m not in block_m:
-            continue
         if config != heuristic and w.shape[1] % config.block_n == 0:
             configs.setdefault(_describe(config), config)
 
     def run(config):
         return jax.jit(
-            lambda x, s, ids, ends, w, ws: gemm_kernels.grouped_gemm_contiguous(
+            lambda x, s, ids, w, ws: gemm_kernels.grouped_gemm_contiguous(
                 x,
                 w,
                 ids,
                 x_scales=s,
                 w_scales=ws,
                 alignment=ALIGNMENT,
-                expert_ends=ends,
                 config=config,
                 interpret=interpret,
             )
         )
 
-    operands = (lay.rows, lay.row_scales, lay.expert_ids, lay.expert_ends, w, w_scales)
+    operands = (lay.rows, lay.row_scales, lay.expert_ids, w, w_scales)
     want = run(heuristic)(*operands)
     valid = np.asarray(lay.expert_ids) >= 0
     num_bytes = _weight_bytes(w, w_scales, lay.expert_ids)
@@ -170,8 +168,9 @@ def sweep_one(
 
 def _describe(config: Any) -> str:
     return (
-        f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
+        f"bn{config.block_n} bk{config.block_k} w{config.num_warps} "
         f"s{config.num_stages}{' T' if config.is_transposed else ''}"
+        f"{' cols first' if config.is_column_major else ''}"
     )
 
 
@@ -189,7 +188,6 @@ def _check_heuristic(
         x_scales=lay.row_scales,
         w_scales=w_scales,
         alignment=ALIGNMENT,
-        expert_ends=lay.expert_ends,
         out_dtype=jnp.float32,
         interpret=interpret,
     )[keep]
@@ -210,9 +208,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gemms", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="which GEMMs"
     )
     parser.add_argument("--samples", type=int, default=5, help="streamed samples per config")
-    parser.add_argument(
-        "--block-m", type=int, nargs="+", help="time only candidates with these row blocks"
-    )
     parser.add_argument(
         "--shape",
         choices=sorted(decode_bench.SHAPES),
@@ -246,9 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status = 1
                 report.append(dict(tokens=num_tokens, gemm=gemm, rel_error=error, results=[]))
                 continue
-            results = sweep_one(
-                lay, w, w_scales, samples=args.samples, interpret=not on_gpu, block_m=args.block_m
-            )
+            results = sweep_one(lay, w, w_scales, samples=args.samples, interpret=not on_gpu)
             for r in results:
                 if "failed" in r:
                     print(f"  {r['config']:<22} failed: {r['failed']}")
