@@ -17,8 +17,10 @@ Worked example, block_m 16, experts 3 and 7 with 5 and 20 rows: expert_ids has 3
 -1 on 5-15, 7 on rows 16-35, -1 on 36-47; programs of row blocks 0, 1 and 2 stream w[3], w[7]
 and w[7]; blocks past the last segment return. With decode-size calls (a handful of rows per
 expert) the cost is reading each active expert's weights once, so padding to 16 rows instead of
-DeepGEMM's 128 wastes little arithmetic. Row blocks run fastest in the grid, so the blocks of one
-expert stream the same weight tile at about the same time and share it through L2.
+DeepGEMM's 128 wastes little arithmetic. The grid may launch row blocks first (the blocks of one
+expert stream the same weight tile together and share it through L2) or column tiles first (one
+row block's x rows stay in L2 across its column tiles while the weights stream); the heuristic
+takes columns first for FP8, where x outgrows L2 from a few dozen tokens.
 
 Pallas Triton lowers FP8 dots on sm_90 (H200, jax 0.11.2), and the heuristic feeds FP8 tiles to
 the dot as vLLM's Triton kernel does (`GroupedGemmConfig.is_fp8_dot`); Hopper's FP8 MMA sums a
@@ -100,11 +102,14 @@ def heuristic_config(
     (upcasting each weight element costs more ALU time than the memory stream leaves, H200
     sweep of 2026-12-01 in BENCHMARKS.md). Short segments take [16, 64] tiles (more programs to
     stream the weights; 6 pipeline stages for FP8, the only dtype swept); longer ones [., 128]
-    tiles computed transposed, so the weight rows fill the large side of Hopper's wgmma.
-    `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02,
-    DeepSeek-V3 FP8 shapes, T=1..512) these choices are within 4% of the fastest of 11
-    candidates for each GEMM and T, except GEMM1 at T=32 (1434 vs 1316 us for [16, 128]
-    transposed tiles, which lose at T=8), BENCHMARKS.md.
+    tiles computed transposed, so the weight rows fill the large side of Hopper's wgmma (FP8: 5
+    stages up to 32 mean rows, 3 above). FP8 launches the grid column tiles first
+    (`GroupedGemmConfig.is_column_major`): x outgrows L2 from about T=32 on DeepSeek-V3, and
+    row blocks first would stream it from DRAM once per column tile.
+    `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02, night,
+    DeepSeek-V3 FP8 shapes, T=32..1024) columns first is 8-18% faster for every GEMM and T, and
+    these choices are within 2.5% of the fastest of 22 candidates (GEMM2 at T=128: 934 vs 919
+    us), BENCHMARKS.md.
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, min(64, mean_rows)))
@@ -115,10 +120,18 @@ def heuristic_config(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
-        num_stages=3 if is_long else (6 if is_fp8 else 4),
+        num_stages=_stages(mean_rows, is_fp8=is_fp8),
         is_transposed=is_long or not is_fp8,
         is_fp8_dot=is_fp8,
+        is_column_major=is_fp8,
     )
+
+
+def _stages(mean_rows: int, *, is_fp8: bool) -> int:
+    """Pipeline stages of the K loop by mean segment rows (FP8 swept on the H200; bf16 not)."""
+    if mean_rows <= SHORT_SEGMENT_ROWS:
+        return 6 if is_fp8 else 4
+    return 5 if is_fp8 and mean_rows <= 2 * SHORT_SEGMENT_ROWS else 3
 
 
 def _grouped_gemm_kernel(

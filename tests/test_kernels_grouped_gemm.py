@@ -161,6 +161,20 @@ def test_grouped_gemm_configs(impl, config):
     _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
 
 
+def test_heuristic_follows_the_h200_sweep():
+    """DeepSeek-V3 GEMM1 layouts of T=32, 512 and 1024 (alignment 16): BENCHMARKS.md's sweep."""
+    shape = dict(num_experts=256, n=4096, k=7168, alignment=16)
+    short = gg.heuristic_config(num_rows=4096, is_fp8=True, **shape)
+    mid = gg.heuristic_config(num_rows=7936, is_fp8=True, **shape)
+    long = gg.heuristic_config(num_rows=12032, is_fp8=True, **shape)
+    assert (short.block_n, short.num_stages, short.is_transposed) == (64, 6, False)
+    assert (mid.block_n, mid.num_stages, mid.is_transposed) == (128, 5, True)
+    assert (long.block_n, long.num_stages, long.is_transposed) == (128, 3, True)
+    assert all(c.block_m == 16 and c.is_column_major for c in (short, mid, long))
+    bf16 = gg.heuristic_config(num_rows=7936, is_fp8=False, **shape)
+    assert (bf16.num_stages, bf16.is_column_major, bf16.is_fp8_dot) == (3, False, False)
+
+
 def test_rows_not_a_multiple_of_block_m_are_padded():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((20, 64)), jnp.bfloat16)
