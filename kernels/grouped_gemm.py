@@ -47,6 +47,10 @@ from moe_jax.kernels import _triton, _wide_offsets
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
 SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which the heuristic takes [16, 64] tiles
+# Layout rows from which the FP8 heuristic launches column tiles first: H200 sweep of 2026-12-02
+# (DeepSeek-V3): 1024 rows (T=8) and more are faster columns first, 128 rows (T=1) rows first
+# (GEMM2 51.6 vs 58.2 us), BENCHMARKS.md.
+COLUMN_MAJOR_MIN_ROWS = 512
 _FLOAT_DTYPES = ("bfloat16", "float16")
 
 
@@ -104,8 +108,9 @@ def heuristic_config(
     stream the weights; 6 pipeline stages for FP8, the only dtype swept); longer ones [., 128]
     tiles computed transposed, so the weight rows fill the large side of Hopper's wgmma (FP8: 5
     stages up to 32 mean rows, 3 above). FP8 launches the grid column tiles first
-    (`GroupedGemmConfig.is_column_major`): x outgrows L2 from about T=32 on DeepSeek-V3, and
-    row blocks first would stream it from DRAM once per column tile.
+    (`GroupedGemmConfig.is_column_major`) from `COLUMN_MAJOR_MIN_ROWS` layout rows: x outgrows
+    L2 from about T=32 on DeepSeek-V3, and row blocks first would stream it from DRAM once per
+    column tile.
     `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02, night,
     DeepSeek-V3 FP8 shapes, T=32..1024) columns first is 8-18% faster for every GEMM and T, and
     these choices are within 2.5% of the fastest of 22 candidates (GEMM2 at T=128: 934 vs 919
@@ -123,7 +128,7 @@ def heuristic_config(
         num_stages=_stages(mean_rows, is_fp8=is_fp8),
         is_transposed=is_long or not is_fp8,
         is_fp8_dot=is_fp8,
-        is_column_major=is_fp8,
+        is_column_major=is_fp8 and num_rows >= COLUMN_MAJOR_MIN_ROWS,
     )
 
 

@@ -162,7 +162,7 @@ def test_grouped_gemm_configs(impl, config):
 
 
 def test_heuristic_follows_the_h200_sweep():
-    """DeepSeek-V3 GEMM1 layouts of T=32, 512 and 1024 (alignment 16): BENCHMARKS.md's sweep."""
+    """DeepSeek-V3 GEMM1 layouts of T=1, 32, 512, 1024 (alignment 16): BENCHMARKS.md's sweep."""
     shape = dict(num_experts=256, n=4096, k=7168, alignment=16)
     short = gg.heuristic_config(num_rows=4096, is_fp8=True, **shape)
     mid = gg.heuristic_config(num_rows=7936, is_fp8=True, **shape)
@@ -171,6 +171,7 @@ def test_heuristic_follows_the_h200_sweep():
     assert (mid.block_n, mid.num_stages, mid.is_transposed) == (128, 5, True)
     assert (long.block_n, long.num_stages, long.is_transposed) == (128, 3, True)
     assert all(c.block_m == 16 and c.is_column_major for c in (short, mid, long))
+    assert not gg.heuristic_config(num_rows=128, is_fp8=True, **shape).is_column_major  # T=1
     bf16 = gg.heuristic_config(num_rows=7936, is_fp8=False, **shape)
     assert (bf16.num_stages, bf16.is_column_major, bf16.is_fp8_dot) == (3, False, False)
 
