@@ -45,9 +45,11 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     candidate matches the heuristic within the sweep's tolerance, results come best first."""
     path = tmp_path / "sweep.json"
     argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1"]
-    argv += ["--json", str(path)]
+    argv += ["--alignment", "32", "--json", str(path)]
     assert gemm_sweep.main(argv) == 0
-    (entry,) = json.loads(path.read_text())["report"]
+    report = json.loads(path.read_text())
+    assert report["alignment"] == 32
+    (entry,) = report["report"]
     assert entry["tokens"] == 2 and entry["gemm"] == 2 and entry["rel_error"] < 1e-5
     results = entry["results"]
     assert "heuristic" in {r["config"] for r in results}
@@ -58,6 +60,9 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     times = [r["us"] for r in results]
     assert times == sorted(times) and all(r["gbs"] > 0 for r in results)
     assert "T=2 GEMM2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gemm_sweep.main(["--alignment", "24"])
+    assert "multiple of 16" in capsys.readouterr().err
 
 
 def test_kernel_gaps_summary_counts_overlaps_once_and_ranks_gaps():

@@ -35,7 +35,7 @@ from moe_jax.cli import decode_bench
 from moe_jax.cli.timing import rel_error, time_calls
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 
-ALIGNMENT = 16
+ALIGNMENT = 16  # the decode layout's segment multiple ("pallas" backend); --alignment changes it
 CHECK_ROWS = 16
 # Relative error allowed against float32 (heuristic) and against the heuristic (candidates):
 # bf16 output rounding plus Hopper's FP8 MMA, whose 128-wide block sums depend on the tiling.
@@ -69,13 +69,15 @@ CANDIDATES = tuple(
 )
 
 
-def _layout(shape: decode_bench.DecodeShape, num_tokens: int, k: int) -> layouts.ContiguousLayout:
-    """The contiguous layout (FP8 rows [M, k] with scales, alignment 16) of one decode batch."""
+def _layout(
+    shape: decode_bench.DecodeShape, num_tokens: int, k: int, alignment: int
+) -> layouts.ContiguousLayout:
+    """The contiguous layout (FP8 rows [M, k] with scales) of one decode batch."""
     _, _, topk_ids = decode_bench.make_tokens(shape, num_tokens)
     x = jax.random.normal(jax.random.PRNGKey(num_tokens), (num_tokens, k), jnp.float32)
     q, scales = quant.per_token_group_quant_fp8(x, 128)
     return layouts.permute_reference(
-        q, topk_ids, num_experts=shape.num_experts, x_scales=scales, alignment=ALIGNMENT
+        q, topk_ids, num_experts=shape.num_experts, x_scales=scales, alignment=alignment
     )
 
 
@@ -87,14 +89,16 @@ def _weight_bytes(w: jax.Array, w_scales: jax.Array, expert_ids: jax.Array) -> i
     return active * per_expert
 
 
-def heuristic_of(lay: layouts.ContiguousLayout, w: jax.Array) -> gemm_kernels.GroupedGemmConfig:
+def heuristic_of(
+    lay: layouts.ContiguousLayout, w: jax.Array, *, alignment: int
+) -> gemm_kernels.GroupedGemmConfig:
     """The kernel's heuristic config for this layout and weights (as the "pallas" backend)."""
     return gemm_kernels.heuristic_config(
         num_rows=lay.rows.shape[0],
         num_experts=w.shape[0],
         n=w.shape[1],
         k=w.shape[2],
-        alignment=ALIGNMENT,
+        alignment=alignment,
         is_fp8=True,
     )
 
@@ -106,21 +110,23 @@ def sweep_one(
     *,
     samples: int,
     interpret: bool,
+    alignment: int = ALIGNMENT,
 ) -> list[dict]:
     """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM.
 
     Args:
-      lay: float8_e4m3fn rows [M, K] sorted by expert in 16-row segments, with row scales
+      lay: float8_e4m3fn rows [M, K] sorted by expert in `alignment`-row segments, row scales
         float32[M, K/128] and expert_ids int32[M] (-1 on padding rows).
       w: float8_e4m3fn[E, N, K]; w_scales float32[E, N/128, K/128].
       samples: streamed samples (of `timing.BURST` calls) per config.
       interpret: Pallas interpret mode (off a GPU).
+      alignment: the layout's segment multiple.
 
     Returns:
       [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
       heuristic's by more than `TOLERANCE`, or that fails to run, is {config, failed} at the end.
     """
-    heuristic = heuristic_of(lay, w)
+    heuristic = heuristic_of(lay, w, alignment=alignment)
     configs = {"heuristic": heuristic}
     for changes in CANDIDATES:
         config = dataclasses.replace(heuristic, **changes)
@@ -135,7 +141,7 @@ def sweep_one(
                 ids,
                 x_scales=s,
                 w_scales=ws,
-                alignment=ALIGNMENT,
+                alignment=alignment,
                 config=config,
                 interpret=interpret,
             )
@@ -168,14 +174,19 @@ def sweep_one(
 
 def _describe(config: Any) -> str:
     return (
-        f"bn{config.block_n} bk{config.block_k} w{config.num_warps} "
+        f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
         f"s{config.num_stages}{' T' if config.is_transposed else ''}"
         f"{' cols first' if config.is_column_major else ''}"
     )
 
 
 def _check_heuristic(
-    lay: layouts.ContiguousLayout, w: jax.Array, w_scales: jax.Array, *, interpret: bool
+    lay: layouts.ContiguousLayout,
+    w: jax.Array,
+    w_scales: jax.Array,
+    *,
+    alignment: int,
+    interpret: bool,
 ) -> float:
     """Rel. error of the heuristic's output against float32 on `CHECK_ROWS` valid rows spread
     over the layout (only their experts' weights are dequantized, so it fits for E=256)."""
@@ -187,7 +198,7 @@ def _check_heuristic(
         lay.expert_ids,
         x_scales=lay.row_scales,
         w_scales=w_scales,
-        alignment=ALIGNMENT,
+        alignment=alignment,
         out_dtype=jnp.float32,
         interpret=interpret,
     )[keep]
@@ -213,8 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted(decode_bench.SHAPES),
         help="expert shapes (default: deepseek_v3 on a GPU, else tiny)",
     )
+    parser.add_argument(
+        "--alignment",
+        type=int,
+        default=ALIGNMENT,
+        help=f"segment row multiple of the layout (a multiple of 16; default {ALIGNMENT})",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
+    if args.alignment < 16 or args.alignment % 16:
+        parser.error(f"--alignment {args.alignment}: pass a positive multiple of 16")
     on_gpu = jax.default_backend() == "gpu"
     shape = decode_bench.SHAPES[args.shape or ("deepseek_v3" if on_gpu else "tiny")]
     tokens = args.tokens or ([1, 32, 128] if on_gpu else [2])
@@ -228,11 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for num_tokens in tokens:
         for gemm in args.gemms:
             k, w, w_scales = gemm_operands[gemm]
-            lay = _layout(shape, num_tokens, k)
-            error = _check_heuristic(lay, w, w_scales, interpret=not on_gpu)
+            lay = _layout(shape, num_tokens, k, args.alignment)
+            error = _check_heuristic(
+                lay, w, w_scales, alignment=args.alignment, interpret=not on_gpu
+            )
+            heuristic = heuristic_of(lay, w, alignment=args.alignment)
             print(
-                f"T={num_tokens} GEMM{gemm} [{lay.rows.shape[0]}, {k}] x {list(w.shape)}: "
-                f"heuristic ({_describe(heuristic_of(lay, w))}) rel "
+                f"T={num_tokens} GEMM{gemm} [{lay.rows.shape[0]}, {k}] x {list(w.shape)}, "
+                f"alignment {args.alignment}: heuristic ({_describe(heuristic)}) rel "
                 f"error vs float32 {error:.2e}",
                 flush=True,
             )
@@ -241,7 +263,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 status = 1
                 report.append(dict(tokens=num_tokens, gemm=gemm, rel_error=error, results=[]))
                 continue
-            results = sweep_one(lay, w, w_scales, samples=args.samples, interpret=not on_gpu)
+            results = sweep_one(
+                lay,
+                w,
+                w_scales,
+                samples=args.samples,
+                interpret=not on_gpu,
+                alignment=args.alignment,
+            )
             for r in results:
                 if "failed" in r:
                     print(f"  {r['config']:<22} failed: {r['failed']}")
@@ -254,7 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.append(dict(tokens=num_tokens, gemm=gemm, rel_error=error, results=results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(shape=dataclasses.asdict(shape), report=report), f, indent=1)
+            json.dump(
+                dict(shape=dataclasses.asdict(shape), alignment=args.alignment, report=report),
+                f,
+                indent=1,
+            )
     return status
 
 
