@@ -148,6 +148,9 @@ class GroupedGemm(abc.ABC):
 # is far below DeepGEMM's once the work turns compute-bound. Wider segments (alignment 32 or 64,
 # so 32-64-row tiles) win only within noise at T=1024 (4396 vs 4468) and lose at T=1536 (5169
 # vs 4647) and T=2048 (6819 vs 4863), so the layout keeps 16. BENCHMARKS.md, "Decode-size layers".
+# With the kernel's grid launched column tiles first (later the same day, one call): 1/32: 126 vs
+# 207; 1/4: 636 vs 900; 1: 1848 vs 3072; 4: 2703 vs 3772; 16: 3092 vs 4048; 32: 4353 vs 4301;
+# 48: 6008 vs 4556. The crossover stays between 16 and 32.
 PALLAS_MAX_PAIRS_PER_EXPERT = 16
 
 
