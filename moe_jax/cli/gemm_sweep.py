@@ -1,14 +1,14 @@
 """`python -m moe_jax.cli.gemm_sweep`: tile sweep of the Pallas decode grouped GEMM.
 
-For each token count T it builds the contiguous layout (alignment 16) of a decode batch routed
-like `bench --decode` (DeepSeek-V3 on one GPU by default), then times
+For each token count T it builds the contiguous layout (alignment 16, or `--alignment`) of a
+decode batch routed like `bench --decode` (DeepSeek-V3 on one GPU by default), then times
 `moe_jax.kernels.grouped_gemm_contiguous` for GEMM1 ([M, H] x [E, 2I, H]) and GEMM2
 ([M, I] x [E, H, I]) with the heuristic's tiles and each candidate of `CANDIDATES`. Every
 candidate is checked first against the heuristic's output, and the heuristic's output against
-the float32 reference on the first 16 rows (both within `TOLERANCE`; a config that is not is
-reported, not timed, and a wrong heuristic makes the command exit with status 1). It prints,
-per T and GEMM, each config's streamed microseconds and its weight-read bandwidth (the active
-experts' FP8 weights and scales over the time), best first:
+the float32 reference on 16 rows spread over the layout (both within `TOLERANCE`; a config that
+is not is reported, not timed, and a wrong heuristic makes the command exit with status 1). It
+prints, per T and GEMM, each config's streamed microseconds and its weight-read bandwidth (the
+active experts' FP8 weights and scales over the time), best first:
 
     python -m moe_jax.cli.gemm_sweep --tokens 1 32 128 --json sweep.json
 
