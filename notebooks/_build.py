@@ -457,9 +457,9 @@ if measured:
 `python -m moe_jax bench --decode --json decode_results.json` times DeepSeek-V3's experts on one
 GPU (E=256, H=7168, I=2048, k=8, FP8) for each T and experts backend, after checking each against
 float32. A decode step's floor is reading the active experts' weights once ("limit", at 4.8 TB/s).
-`decode_results.json` next to this notebook is the H200 run of 2026-12-02 (BENCHMARKS.md); in it,
-"auto" still switched to DeepGEMM above 4 pairs per expert, since moved to 16 from these numbers,
-so the plot shows the backends themselves.
+`decode_results.json` next to this notebook is the H200 run of 2026-12-02, night (BENCHMARKS.md,
+code f7f3416, the Pallas grouped GEMM launching column tiles first): "auto" with the Pallas grouped
+GEMM and DeepGEMM beside it, T=1 to 1536.
 """),
     code("""
 def load_results(env_var, default, command):
@@ -476,7 +476,8 @@ if decode is not None:
     env = decode["environment"]
     print(f"{env.get('device')}, jax {env.get('jax')}, {env.get('date')}")
     rows = decode["rows"]
-    names = [n for n in ("pallas", "deep_gemm", "deep_gemm_masked") if n in rows[0]["variants"]]
+    names = [n for n in ("auto", "pallas", "deep_gemm", "deep_gemm_masked")
+             if n in rows[0]["variants"]]
     print(f"{'T':>5} {'experts':>8} {'limit us':>9}" + "".join(f"{n:>18}" for n in names))
     for r in rows:
         cells = []

@@ -146,7 +146,7 @@ def kernel_times(forwards: Sequence[Sequence[KernelEvent]]) -> list[KernelTime]:
 
 # Stages of the FP8 forward by kernel name, first match wins (unpermute before permute).
 STAGES = (
-    ("GEMMs", ("deep_gemm", "grouped_gemm", "gemm")),
+    ("GEMMs", ("gemm",)),  # DeepGEMM's, the Pallas grouped GEMM, XLA's cuBLAS calls
     ("act*up + quantize", ("act_quant",)),
     ("unpermute", ("unpermute",)),
     ("permute", ("permute",)),
