@@ -47,6 +47,7 @@ from moe_jax.kernels import _triton, _wide_offsets
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
 SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which the heuristic takes [16, 64] tiles
+MAX_ALIGNMENT = 64  # widest segment multiple `PallasGemm.layout_alignment` asks for (block_m cap)
 # Layout rows from which the FP8 heuristic launches column tiles first: H200 sweep of 2026-12-02
 # (DeepSeek-V3): 1024 rows (T=8) and more are faster columns first, 128 rows (T=1) rows first
 # (GEMM2 51.6 vs 58.2 us), BENCHMARKS.md.
@@ -101,9 +102,9 @@ def heuristic_config(
 ) -> GroupedGemmConfig:
     """Tiles for an [M, K] x [E, N, K] call whose segments are `alignment`-row multiples.
 
-    block_m is the largest power of two <= 64 dividing the alignment and at most the mean
-    segment length (M / E rounded up to a power of two, at least 16). FP8 feeds the dot directly
-    (upcasting each weight element costs more ALU time than the memory stream leaves, H200
+    block_m is the largest power of two <= `MAX_ALIGNMENT` dividing the alignment and at most the
+    mean segment length (M / E rounded up to a power of two, at least 16). FP8 feeds the dot
+    directly (upcasting each weight element costs more ALU time than the memory stream leaves, H200
     sweep of 2026-12-01 in BENCHMARKS.md). Short segments take [16, 64] tiles (more programs to
     stream the weights; 6 pipeline stages for FP8, the only dtype swept); longer ones [., 128]
     tiles computed transposed, so the weight rows fill the large side of Hopper's wgmma (FP8: 5
@@ -117,7 +118,8 @@ def heuristic_config(
     us), BENCHMARKS.md.
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
-    block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, min(64, mean_rows)))
+    block_cap = min(MAX_ALIGNMENT, mean_rows)
+    block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, block_cap))
     is_long = mean_rows > SHORT_SEGMENT_ROWS
     block_n = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(n, 128 if is_long else 64))
     block_k = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(k, 128))
@@ -196,13 +198,16 @@ def _grouped_gemm_kernel(
                 a, b = (w, x) if is_transposed else (x, w)
                 dot = jax.lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
                 part = dot if part is None else part + dot
-            if x_scales_ref is not None:
-                group = k0 // SCALE_BLOCK
-                x_scale = x_scales_ref[pl.ds(row0, block_m), group]
-                w_scale = w_scales_ref[expert, col0 // SCALE_BLOCK, group]
-                x_scale = x_scale[None, :] if is_transposed else x_scale[:, None]
-                part = part * x_scale * w_scale
-            return acc + part
+            if x_scales_ref is None:
+                return acc + part
+            # One scale per output element ([1, bm] or [bm, 1] times the tile's weight scale), so
+            # the tile takes one multiply-add: 8% off GEMM1 at T=2048 (64-row tiles) on the H200
+            # against part * x_scale * w_scale, within noise at 16-row tiles (BENCHMARKS.md).
+            group = k0 // SCALE_BLOCK
+            x_scale = x_scales_ref[pl.ds(row0, block_m), group]
+            w_scale = w_scales_ref[expert, col0 // SCALE_BLOCK, group]
+            scale = (x_scale[None, :] if is_transposed else x_scale[:, None]) * w_scale
+            return acc + part * scale
 
         shape = (block_n, block_m) if is_transposed else (block_m, block_n)
         acc = jax.lax.fori_loop(0, num_k_blocks, step, jnp.zeros(shape, jnp.float32))
@@ -405,8 +410,10 @@ def grouped_gemm_contiguous_reference(
 class PallasGemm(grouped_gemm.GroupedGemm):
     """GEMM backend running `grouped_gemm_contiguous` (compiled, or in interpret mode).
 
-    The masked layout runs on the same kernel: each expert's block of max_m rows (padded to a
-    multiple of block_m) is a segment, rows past the expert's count padding.
+    The contiguous layout it asks for (`layout_alignment`) pads each expert's segment to 16, 32
+    or 64 rows by the mean routed pairs per expert, so the heuristic's row blocks grow with the
+    segments. The masked layout runs on the same kernel: each expert's block of max_m rows
+    (padded to a multiple of block_m) is a segment, rows past the expert's count padding.
     """
 
     alignment = MIN_BLOCK
@@ -417,6 +424,18 @@ class PallasGemm(grouped_gemm.GroupedGemm):
         self.name = name
         self.interpret = interpret
         self.config = config
+
+    def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
+        """16 rows up to 16 mean pairs per expert, 32 up to 32, then 64 (`MAX_ALIGNMENT`).
+
+        Wider segments let a row block of 32 or 64 rows stream each weight tile once for more
+        rows (fewer re-reads through L2, larger dots) at the cost of more padding rows. H200,
+        2026-12-02, DeepSeek-V3 FP8 layer (`experts="pallas"`, one run): T=1024 (32 pairs per
+        expert) 4123 us with 32-row segments against 4423 with 16; T=2048 (64) 6270 with 64
+        against 6522 with 32 (BENCHMARKS.md, "Decode-size layers").
+        """
+        pairs_per_expert = -(-problem.num_pairs // max(problem.num_experts, 1))
+        return min(MAX_ALIGNMENT, max(self.alignment, _triton.next_power_of_2(pairs_per_expert)))
 
     def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
         if not self.interpret and problem.platform != "gpu":
@@ -438,7 +457,9 @@ class PallasGemm(grouped_gemm.GroupedGemm):
         elif problem.n % MIN_BLOCK or problem.k % MIN_BLOCK:
             return f"needs N and K multiples of {MIN_BLOCK}, got N={problem.n} K={problem.k}"
         if problem.layout == "contiguous":
-            align = self.alignment if problem.alignment is None else problem.alignment
+            align = problem.alignment
+            if align is None:
+                align = self.layout_alignment(problem)
             if align % MIN_BLOCK:
                 return f"alignment {align} is not a multiple of {MIN_BLOCK} rows (one row block)"
         return None

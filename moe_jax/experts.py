@@ -186,8 +186,9 @@ def select_gemms(
 ) -> GemmPair:
     """The backends for GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2), through the registry.
 
-    On the contiguous layout with `alignment=None`, GEMM1's backend sets the segment multiple and
-    GEMM2 must accept it too ("auto" moves on to a backend that does).
+    On the contiguous layout with `alignment=None`, GEMM1's backend sets the segment multiple
+    (`GroupedGemm.layout_alignment`) and GEMM2 must accept it too ("auto" moves on to a backend
+    that does).
     """
 
     def problem(w: jax.Array, align: int | None) -> grouped_gemm.GemmProblem:
@@ -204,9 +205,10 @@ def select_gemms(
             max_m=max_m,
         )
 
-    gemm1 = grouped_gemm.GEMMS.select(gemm, problem(weights.w1, alignment))
+    gemm1_problem = problem(weights.w1, alignment)
+    gemm1 = grouped_gemm.GEMMS.select(gemm, gemm1_problem)
     if layout == "contiguous" and alignment is None:
-        alignment = gemm1.alignment
+        alignment = gemm1.layout_alignment(gemm1_problem)
     gemm2 = grouped_gemm.GEMMS.select(gemm, problem(weights.w2, alignment))
     return GemmPair(gemm1=gemm1, gemm2=gemm2, alignment=alignment)
 
@@ -269,8 +271,8 @@ class ContiguousExperts(Experts):
       gemm: GEMM backend name, a `GroupedGemm`, or "auto".
       permute_impl: implementation of the permute and of the weighted gather (`moe_jax.permute`).
       act_quant_impl: implementation of act(gate) * up + FP8 requantization (`moe_jax.act_quant`).
-      alignment: rows per expert segment multiple; None takes GEMM1's backend's own (DeepGEMM
-        needs 128).
+      alignment: rows per expert segment multiple; None takes GEMM1's backend's own for the
+        call (DeepGEMM needs 128; the Pallas GEMM takes 16, 32 or 64 by rows per expert).
       wgrad: implementation of the grouped weight gradient in the backward: "auto" or a name
         in `moe_jax.grouped_gemm_backward.WGRADS` ("xla", "torch", "pallas", "mosaic", ...).
       recipe: None, or `moe_jax.fp8_training.Fp8Training()` to run both GEMMs in FP8 on float

@@ -46,7 +46,7 @@ class GemmProblem:
       w_dtype: name of the weight dtype.
       platform: "cpu", "gpu", ... as `moe_jax.registry.current_platform()` gives it.
       alignment: contiguous layout: rows per expert segment multiple the caller will use, or None
-        to take the backend's own `GroupedGemm.alignment`.
+        to take the backend's own (`GroupedGemm.layout_alignment`).
       max_m: masked layout: rows per expert block.
     """
 
@@ -71,12 +71,19 @@ class GroupedGemm(abc.ABC):
 
     Attributes:
       name: registry name.
-      alignment: the contiguous layout's segment multiple this backend is built for (taken when
-        the caller leaves `GemmProblem.alignment` as None).
+      alignment: the contiguous layout's segment multiple this backend is built for (the
+        default of `layout_alignment`).
     """
 
     name: str = ""
     alignment: int = layouts.DEFAULT_ALIGNMENT
+
+    def layout_alignment(self, problem: GemmProblem) -> int:
+        """The segment multiple to build `problem`'s contiguous layout with when the caller
+        leaves `GemmProblem.alignment` as None: `alignment`, unless a backend tunes it by the
+        rows per expert."""
+        del problem
+        return self.alignment
 
     @abc.abstractmethod
     def unsupported_reason(self, problem: GemmProblem) -> str | None:
@@ -147,11 +154,15 @@ class GroupedGemm(abc.ABC):
 # Pallas wins up to 16 and loses from 32 on: its 16-row tiles waste no padding, but its MMA rate
 # is far below DeepGEMM's once the work turns compute-bound. Wider segments (alignment 32 or 64,
 # so 32-64-row tiles) win only within noise at T=1024 (4396 vs 4468) and lose at T=1536 (5169
-# vs 4647) and T=2048 (6819 vs 4863), so the layout keeps 16. BENCHMARKS.md, "Decode-size layers".
+# vs 4647) and T=2048 (6819 vs 4863), so the layout kept 16 then (row blocks launched first).
+# BENCHMARKS.md, "Decode-size layers".
 # With the kernel's grid launched column tiles first (later the same day, one call): 1/32: 126 vs
 # 207; 1/4: 636 vs 900; 1: 1848 vs 3072; 4: 2703 vs 3772; 16: 3092 vs 4048; 32: 4353 vs 4301;
 # 48: 6008 vs 4556. The crossover stays between 16 and 32.
-PALLAS_MAX_PAIRS_PER_EXPERT = 16
+# With one multiply-add per element for the block scales and segments of 32 rows from 17 pairs
+# per expert (`PallasGemm.layout_alignment`), 2026-12-02 afternoon, one call: 32 (T=1024): 4123
+# vs 4246; 64 (T=2048): 6270 vs 4702. The crossover moves to 32.
+PALLAS_MAX_PAIRS_PER_EXPERT = 32
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:
@@ -160,7 +171,7 @@ def _preference(problem: GemmProblem) -> tuple[str, ...]:
     GPU: DeepGEMM (FP8 and bf16 grouped GEMMs at 1.2+ PFLOPS on the H200), torch's grouped GEMM,
     JAX's Mosaic GPU ragged dot, the Pallas grouped GEMM, then the XLA block loop. With FP8
     weights and few rows per expert (decode) the Pallas grouped GEMM goes first: it pads segments
-    to 16 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
+    to 16-32 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
     only, so bf16 keeps the general order). Elsewhere the XLA loop only: the torch backend runs on
     the CPU as the twin of its GPU path for tests, not to be fast.
     """

@@ -272,13 +272,38 @@ def test_contiguous_experts_take_the_pallas_alignment():
     assert rows == 80  # round_up(6 pairs + 4 segments * 15 padding rows, 16)
 
 
+@pytest.mark.parametrize(
+    ("num_pairs", "alignment"),
+    [(0, 16), (1, 16), (4096, 16), (4097, 32), (8192, 32), (8193, 64), (10**7, 64)],
+)
+def test_pallas_layout_alignment_grows_with_pairs_per_expert(num_pairs, alignment):
+    """16 rows up to 16 mean pairs per expert, 32 up to 32, 64 above; a caller's own wins."""
+    pallas = grouped_gemm.GEMMS.get("pallas")
+    assert pallas.layout_alignment(_problem(num_pairs=num_pairs)) == alignment
+    weights = ExpertWeights(
+        w1=jnp.zeros((256, 64, 32), jnp.bfloat16), w2=jnp.zeros((256, 32, 32), jnp.bfloat16)
+    )
+    for align, want in ((None, alignment), (48, 48)):
+        pair = ContiguousExperts(gemm="pallas_interpret", alignment=align).select_gemms(
+            weights, num_tokens=num_pairs, topk=1, x_dtype=jnp.bfloat16
+        )
+        assert pair.alignment == want
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
+@pytest.mark.parametrize(
+    ("num_tokens", "alignment"), [(6, 16), (40, 32), (100, 64)], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize(
     "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 )
-def test_fused_moe_matches_the_xla_experts(impl, dtype):
+def test_fused_moe_matches_the_xla_experts(impl, num_tokens, alignment, dtype):
+    """Through `fused_moe` with the layout the backend asks for: 16-, 32- and 64-row segments
+    (2, 20 and 50 mean pairs per expert), against the XLA experts on the same weights."""
     rng = np.random.default_rng(7)
-    num_tokens, num_experts, hidden, inter, topk = 6, 4, 256, 128, 2
+    num_experts, hidden, inter, topk = 4, 256, 128, 2
+    probe = _problem(num_pairs=num_tokens * topk, num_experts=num_experts)
+    assert grouped_gemm.GEMMS.get(impl).layout_alignment(probe) == alignment
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
     w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
