@@ -160,8 +160,8 @@ class GroupedGemm(abc.ABC):
 # 207; 1/4: 636 vs 900; 1: 1848 vs 3072; 4: 2703 vs 3772; 16: 3092 vs 4048; 32: 4353 vs 4301;
 # 48: 6008 vs 4556. The crossover stays between 16 and 32.
 # With one multiply-add per element for the block scales and segments of 32 rows from 17 pairs
-# per expert (`PallasGemm.layout_alignment`), 2026-12-02 afternoon, one call: 32 (T=1024): 4123
-# vs 4246; 64 (T=2048): 6270 vs 4702. The crossover moves to 32.
+# per expert (`PallasGemm.layout_alignment`), 2026-12-02 (13-16 UTC session), one call:
+# 32 (T=1024): 4123 vs 4246; 64 (T=2048): 6270 vs 4702. The crossover moves to 32.
 PALLAS_MAX_PAIRS_PER_EXPERT = 32
 
 
