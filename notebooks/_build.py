@@ -457,9 +457,9 @@ if measured:
 `python -m moe_jax bench --decode --json decode_results.json` times DeepSeek-V3's experts on one
 GPU (E=256, H=7168, I=2048, k=8, FP8) for each T and experts backend, after checking each against
 float32. A decode step's floor is reading the active experts' weights once ("limit", at 4.8 TB/s).
-`decode_results.json` next to this notebook is the H200 run of 2026-12-02, night (BENCHMARKS.md,
-code f7f3416, the Pallas grouped GEMM launching column tiles first): "auto" with the Pallas grouped
-GEMM and DeepGEMM beside it, T=1 to 1536.
+`decode_results.json` next to this notebook is the H200 run of 2026-12-02 on code e33f5c2
+(BENCHMARKS.md, "Decode-size layers": the Pallas grouped GEMM on 16-, 32- or 64-row segments by
+pairs per expert): "auto" with the Pallas grouped GEMM and DeepGEMM beside it, T=1 to 2048.
 """),
     code("""
 def load_results(env_var, default, command):
