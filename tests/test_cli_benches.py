@@ -51,6 +51,7 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     assert report["alignment"] == 32
     (entry,) = report["report"]
     assert entry["tokens"] == 2 and entry["gemm"] == 2 and entry["rel_error"] < 1e-5
+    assert entry["alignment"] == 32
     results = entry["results"]
     assert "heuristic" in {r["config"] for r in results}
     assert len({r["config"] for r in results}) == len(results) > len(gemm_sweep.CANDIDATES) // 2
@@ -63,6 +64,15 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gemm_sweep.main(["--alignment", "24"])
     assert "multiple of 16" in capsys.readouterr().err
+
+
+def test_gemm_sweep_defaults_to_the_layers_own_alignment():
+    """Without --alignment each T gets the segment multiple the layer's Pallas GEMM uses."""
+    from moe_jax.cli import decode_bench
+
+    shape = decode_bench.SHAPES["deepseek_v3"]  # 256 experts, k=8: 32 tokens per pair per expert
+    got = [gemm_sweep.layer_alignment(shape, t) for t in (1, 512, 513, 1024, 1025, 2048)]
+    assert got == [16, 16, 32, 32, 64, 64]
 
 
 def test_kernel_gaps_summary_counts_overlaps_once_and_ranks_gaps():

@@ -1,7 +1,9 @@
 """`python -m moe_jax.cli.gemm_sweep`: tile sweep of the Pallas decode grouped GEMM.
 
-For each token count T it builds the contiguous layout (alignment 16, or `--alignment`) of a
-decode batch routed like `bench --decode` (DeepSeek-V3 on one GPU by default), then times
+For each token count T it builds the contiguous layout of a decode batch routed like `bench
+--decode`, with the segment multiple the layer itself would use for that T
+(`PallasGemm.layout_alignment`: 16, 32 or 64 rows by pairs per expert) unless `--alignment` fixes
+it (DeepSeek-V3 on one GPU by default), then times
 `moe_jax.kernels.grouped_gemm_contiguous` for GEMM1 ([M, H] x [E, 2I, H]) and GEMM2
 ([M, I] x [E, H, I]) with the heuristic's tiles and each candidate of `CANDIDATES`. Every
 candidate is checked first against the heuristic's output, and the heuristic's output against
@@ -30,12 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import layouts, quant
+from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import decode_bench
 from moe_jax.cli.timing import rel_error, time_calls
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 
-ALIGNMENT = 16  # the decode layout's segment multiple ("pallas" backend); --alignment changes it
+ALIGNMENT = 16  # sweep_one's default segment multiple (the layer's for <= 16 pairs per expert)
 CHECK_ROWS = 16
 # Relative error allowed against float32 (heuristic) and against the heuristic (candidates):
 # bf16 output rounding plus Hopper's FP8 MMA, whose 128-wide block sums depend on the tiling.
@@ -87,6 +89,21 @@ def _weight_bytes(w: jax.Array, w_scales: jax.Array, expert_ids: jax.Array) -> i
     active = active[active >= 0].size
     per_expert = math.prod(w.shape[1:]) * w.dtype.itemsize + math.prod(w_scales.shape[1:]) * 4
     return active * per_expert
+
+
+def layer_alignment(shape: decode_bench.DecodeShape, num_tokens: int) -> int:
+    """The segment multiple the layer's Pallas GEMM asks for at T tokens (16, 32 or 64)."""
+    problem = grouped_gemm.GemmProblem(
+        layout="contiguous",
+        n=2 * shape.intermediate,
+        k=shape.hidden,
+        num_experts=shape.num_experts,
+        num_pairs=num_tokens * shape.topk,
+        x_dtype="float8_e4m3fn",
+        w_dtype="float8_e4m3fn",
+        platform="gpu",
+    )
+    return grouped_gemm.GEMMS.get("pallas").layout_alignment(problem)
 
 
 def heuristic_of(
@@ -227,12 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--alignment",
         type=int,
-        default=ALIGNMENT,
-        help=f"segment row multiple of the layout (a multiple of 16; default {ALIGNMENT})",
+        help="segment row multiple of the layout (a multiple of 16; default: the layer's own "
+        "for each T, 16, 32 or 64 by pairs per expert)",
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
-    if args.alignment < 16 or args.alignment % 16:
+    if args.alignment is not None and (args.alignment < 16 or args.alignment % 16):
         parser.error(f"--alignment {args.alignment}: pass a positive multiple of 16")
     on_gpu = jax.default_backend() == "gpu"
     shape = decode_bench.SHAPES[args.shape or ("deepseek_v3" if on_gpu else "tiny")]
@@ -245,23 +262,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = []
     status = 0
     for num_tokens in tokens:
+        alignment = args.alignment or layer_alignment(shape, num_tokens)
         for gemm in args.gemms:
             k, w, w_scales = gemm_operands[gemm]
-            lay = _layout(shape, num_tokens, k, args.alignment)
-            error = _check_heuristic(
-                lay, w, w_scales, alignment=args.alignment, interpret=not on_gpu
-            )
-            heuristic = heuristic_of(lay, w, alignment=args.alignment)
+            lay = _layout(shape, num_tokens, k, alignment)
+            error = _check_heuristic(lay, w, w_scales, alignment=alignment, interpret=not on_gpu)
+            heuristic = heuristic_of(lay, w, alignment=alignment)
             print(
                 f"T={num_tokens} GEMM{gemm} [{lay.rows.shape[0]}, {k}] x {list(w.shape)}, "
-                f"alignment {args.alignment}: heuristic ({_describe(heuristic)}) rel "
+                f"alignment {alignment}: heuristic ({_describe(heuristic)}) rel "
                 f"error vs float32 {error:.2e}",
                 flush=True,
             )
             if error > TOLERANCE:
                 print(f"  above {TOLERANCE:.0e}: wrong results are not timed", file=sys.stderr)
                 status = 1
-                report.append(dict(tokens=num_tokens, gemm=gemm, rel_error=error, results=[]))
+                report.append(
+                    dict(
+                        tokens=num_tokens,
+                        gemm=gemm,
+                        alignment=alignment,
+                        rel_error=error,
+                        results=[],
+                    )
+                )
                 continue
             results = sweep_one(
                 lay,
@@ -269,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 w_scales,
                 samples=args.samples,
                 interpret=not on_gpu,
-                alignment=args.alignment,
+                alignment=alignment,
             )
             for r in results:
                 if "failed" in r:
@@ -280,7 +304,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"(vs heuristic {r['rel_to_heuristic']:.1e})",
                         flush=True,
                     )
-            report.append(dict(tokens=num_tokens, gemm=gemm, rel_error=error, results=results))
+            report.append(
+                dict(
+                    tokens=num_tokens,
+                    gemm=gemm,
+                    alignment=alignment,
+                    rel_error=error,
+                    results=results,
+                )
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
