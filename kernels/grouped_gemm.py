@@ -430,9 +430,9 @@ class PallasGemm(grouped_gemm.GroupedGemm):
 
         Wider segments let a row block of 32 or 64 rows stream each weight tile once for more
         rows (fewer re-reads through L2, larger dots) at the cost of more padding rows. H200,
-        2026-12-02, DeepSeek-V3 FP8 layer (`experts="pallas"`, one run): T=1024 (32 pairs per
-        expert) 4123 us with 32-row segments against 4423 with 16; T=2048 (64) 6270 with 64
-        against 6522 with 32 (BENCHMARKS.md, "Decode-size layers").
+        2026-12-02, DeepSeek-V3 FP8 layer (`experts="pallas"`): T=768 (24 pairs per expert)
+        3134 us with 32-row segments against 3705-3710 with 16; T=1024 (32) 4123 against 4423;
+        T=2048 (64) 6270 with 64 against 6522 with 32 (BENCHMARKS.md, "Decode-size layers").
         """
         pairs_per_expert = -(-problem.num_pairs // max(problem.num_experts, 1))
         return min(MAX_ALIGNMENT, max(self.alignment, _triton.next_power_of_2(pairs_per_expert)))
