@@ -274,18 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"error vs float32 {error:.2e}",
                 flush=True,
             )
+            entry = dict(tokens=num_tokens, gemm=gemm, alignment=alignment, rel_error=error)
+            report.append(entry)
             if error > TOLERANCE:
                 print(f"  above {TOLERANCE:.0e}: wrong results are not timed", file=sys.stderr)
                 status = 1
-                report.append(
-                    dict(
-                        tokens=num_tokens,
-                        gemm=gemm,
-                        alignment=alignment,
-                        rel_error=error,
-                        results=[],
-                    )
-                )
+                entry["results"] = []
                 continue
             results = sweep_one(
                 lay,
@@ -304,15 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"(vs heuristic {r['rel_to_heuristic']:.1e})",
                         flush=True,
                     )
-            report.append(
-                dict(
-                    tokens=num_tokens,
-                    gemm=gemm,
-                    alignment=alignment,
-                    rel_error=error,
-                    results=results,
-                )
-            )
+            entry["results"] = results
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
