@@ -70,7 +70,7 @@ def test_gemm_sweep_defaults_to_the_layers_own_alignment():
     """Without --alignment each T gets the segment multiple the layer's Pallas GEMM uses."""
     from moe_jax.cli import decode_bench
 
-    shape = decode_bench.SHAPES["deepseek_v3"]  # 256 experts, k=8: 32 tokens per pair per expert
+    shape = decode_bench.SHAPES["deepseek_v3"]  # 256 experts, k=8: T / 32 pairs per expert
     got = [gemm_sweep.layer_alignment(shape, t) for t in (1, 512, 513, 1024, 1025, 2048)]
     assert got == [16, 16, 32, 32, 64, 64]
 
