@@ -16,6 +16,7 @@ from moe_jax.interop import deep_ep_layouts as dl
 from moe_jax.interop.bridge import import_torch, torch_callback
 from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, LLDispatched, LLHandle
+from moe_jax.interop.deep_ep_ll_graph import LLCaptureState, combine_output
 from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, current_platform
 
 # How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
@@ -175,12 +176,20 @@ class DeepEPLowLatency:
       problem: `DeepEPProblem` with num_tokens = T_max, the most tokens a rank sends per call.
       use_fp8: dispatch FP8 rows + scales (DeepEP quantizes; amax floor 1e-4) instead of bf16.
       recv_copy: how the receive buffers reach XLA (`LL_RECV_COPIES`).
+      command_buffer_compatible: let XLA capture the dispatch and combine callbacks into its CUDA
+        graphs, so replays run no Python (`moe_jax.interop.deep_ep_ll_graph` says what that
+        takes). Call `warm_up()` once, on every rank, before tracing; every jitted program must
+        combine each of its dispatches (`deep_ep_ll_moe` does).
+      capture: `deep_ep_ll_graph.LLCaptureState`, made by the adapter: that mode's host state,
+        with `num_host_calls` (DeepEP calls made from Python: a replayed graph adds none).
     """
 
     buffer: Any
     problem: DeepEPProblem
     use_fp8: bool = True
     recv_copy: str = AUTO
+    command_buffer_compatible: bool = False
+    capture: LLCaptureState = dataclasses.field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         p = self.problem
@@ -194,9 +203,40 @@ class DeepEPLowLatency:
         )
         if self.recv_copy != AUTO:
             RECV_COPIES.get(self.recv_copy)  # an unknown name fails here, listing the valid ones
+        # Host state of command-buffer mode (the frozen adapter's one mutable part).
+        object.__setattr__(self, "capture", LLCaptureState(buffer=self.buffer, problem=p))
+
+    def warm_up(self) -> None:
+        """One eager dispatch -> combine of no tokens through XLA, for command-buffer mode.
+
+        Fills the private memory pool on XLA's stream with DeepEP's receive tensors, compiles
+        the receive copy, and records which LL buffer captured dispatches must use. Collective:
+        every rank calls it, outside `jax.jit`. A no-op without `command_buffer_compatible`.
+        """
+        if not self.command_buffer_compatible:
+            return
+        p = self.problem
+        x = jnp.zeros((p.num_tokens, p.hidden), jnp.bfloat16)
+        ids = jnp.full((p.num_tokens, p.num_topk), -1, jnp.int32)
+        weights = jnp.zeros((p.num_tokens, p.num_topk), jnp.float32)
+
+        def round_trip(x, ids, weights):
+            got = self._dispatch(x, ids, phase="warm_up")
+            y = jnp.zeros((p.num_local_experts, p.num_ranks * p.num_tokens, p.hidden))
+            return self._combine(y.astype(jnp.bfloat16), ids, weights, got, is_capturable=False)
+
+        jax.block_until_ready(jax.jit(round_trip)(x, ids, weights))
 
     def dispatch(self, x: jax.Array, topk_ids: jax.Array) -> LLDispatched:
         """x bf16[T <= T_max, H], topk_ids int[T, k] global -> `LLDispatched`."""
+        if self.command_buffer_compatible and not self.capture.is_warm:
+            raise ValueError(
+                "DeepEPLowLatency(command_buffer_compatible=True) needs ll.warm_up() once, "
+                "outside jax.jit and on every rank, before its first traced dispatch"
+            )
+        return self._dispatch(x, topk_ids, phase="dispatch")
+
+    def _dispatch(self, x: jax.Array, topk_ids: jax.Array, *, phase: str) -> LLDispatched:
         p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
         if x.shape[0] > p.num_tokens or x.shape[1] != p.hidden:
             raise ValueError(f"{x.shape=} but the problem has T_max={p.num_tokens}, H={p.hidden}")
@@ -219,25 +259,34 @@ class DeepEPLowLatency:
             self.recv_copy, OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
         )
         ids_from_words = topk_idx_from_words(torch, deep_ep)
+        is_capturable = self.command_buffer_compatible and phase == "dispatch"
+        capture = self.capture
 
         def dispatch(out, x_t, words_t):
-            recv, count, handle, _, _ = buffer.low_latency_dispatch(
-                x_t,
-                ids_from_words(words_t),
-                p.num_tokens,
-                p.num_experts,
-                use_fp8=use_fp8,
-                async_finish=False,
-                return_recv_hook=False,
-            )
-            rows, scales = recv if use_fp8 else (recv, None)
-            if scales is not None:  # [E, T_tot, G] with strides (G * T_tot, 1, T_tot)
-                scales = scales.transpose(1, 2)
-            src_info, layout_range = handle[0], handle[1].view(torch.int32)
-            copy(out, (count, rows, scales, src_info, layout_range))
+            if phase == "warm_up":
+                capture.make_pool(torch, x_t.device)
+                capture.dispatch_buffer_address = capture.next_buffer_address()
+            elif is_capturable:
+                capture.check("dispatch")
+            with capture.allocating(torch):
+                recv, count, handle, _, _ = buffer.low_latency_dispatch(
+                    x_t,
+                    ids_from_words(words_t),
+                    p.num_tokens,
+                    p.num_experts,
+                    use_fp8=use_fp8,
+                    async_finish=False,
+                    return_recv_hook=False,
+                )
+                rows, scales = recv if use_fp8 else (recv, None)
+                if scales is not None:  # [E, T_tot, G] with strides (G * T_tot, 1, T_tot)
+                    scales = scales.transpose(1, 2)
+                src_info, layout_range = handle[0], handle[1].view(torch.int32)
+                copy(out, (count, rows, scales, src_info, layout_range))
 
         words = dl.topk_idx_words(topk_ids, num_experts=p.num_experts)
-        outs = torch_callback(dispatch, results)(x.astype(jnp.bfloat16), words)
+        call = torch_callback(dispatch, results, command_buffer_compatible=is_capturable)
+        outs = call(x.astype(jnp.bfloat16), words)
         count, src_info, layout_range = outs[1 + use_fp8 :]
         return LLDispatched(
             rows=outs[0],
@@ -251,11 +300,20 @@ class DeepEPLowLatency:
     ) -> jax.Array:
         """y bf16[E_local, R * T_max, H] (unweighted expert outputs; rows past the counts are
         not read) -> bf16[T, H], the weighted sum over each token's experts. DeepEP writes the
-        result straight into XLA's output buffer."""
+        result straight into XLA's output buffer (into a temporary with
+        `command_buffer_compatible`: `deep_ep_ll_graph.combine_output`)."""
+        return self._combine(
+            y, topk_ids, topk_weights, dispatched, is_capturable=self.command_buffer_compatible
+        )
+
+    def _combine(self, y, topk_ids, topk_weights, dispatched, *, is_capturable: bool):
         p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
         ids_from_words = topk_idx_from_words(torch, deep_ep)
+        capture = self.capture
 
         def combine(out, y_t, words_t, w_t, src_info, layout_range):
+            if is_capturable:
+                capture.check("combine")
             handle = (
                 src_info,
                 layout_range.view(torch.int64),
@@ -263,24 +321,30 @@ class DeepEPLowLatency:
                 p.hidden,
                 p.num_experts,
             )
-            buffer.low_latency_combine(
-                y_t,
-                ids_from_words(words_t),
-                w_t,
-                handle,
-                async_finish=False,
-                return_recv_hook=False,
-                out=out,
-            )
+            with capture.allocating(torch):
+                buffer.low_latency_combine(
+                    y_t,
+                    ids_from_words(words_t),
+                    w_t,
+                    handle,
+                    async_finish=False,
+                    return_recv_hook=False,
+                    out=out,
+                )
 
         result = jax.ShapeDtypeStruct((topk_ids.shape[0], p.hidden), jnp.bfloat16)
-        return torch_callback(combine, result)(
+        call = torch_callback(combine, result, command_buffer_compatible=is_capturable)
+        combined = call(
             y.astype(jnp.bfloat16),
             dl.topk_idx_words(topk_ids, num_experts=p.num_experts),
             topk_weights.astype(jnp.float32),
             dispatched.handle.src_info,
             dispatched.handle.layout_range,
         )
+        if not is_capturable:
+            return combined
+        ids = dl.dispatch_topk_ids(topk_ids, num_experts=p.num_experts)
+        return combine_output(combined, ids)
 
 
 def deep_ep_ll_moe(

@@ -16,6 +16,14 @@ output is the next dispatch's input), medians over samples. Two views:
   entered (a thin proxy around the Buffer, the same for both), so dispatch = dispatch entry ->
   combine entry (moe_jax: plus the copy of the received rows into XLA's buffers) and combine =
   combine entry -> next dispatch entry.
+
+Command-buffer mode (`--graph`, run with XLA_FLAGS letting XLA capture custom calls, e.g.
+`--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
+--xla_gpu_graph_min_graph_size=1`): the same chained round trips through
+`DeepEPLowLatency(command_buffer_compatible=True)`, checked against the eager adapter's output
+(including calls on fresh input buffers, which XLA re-captures), with the number of DeepEP calls
+Python made while timing (0 when XLA replays its graphs), against the direct chain captured in a
+torch CUDA graph and replayed; and the whole `deep_ep_ll_moe` layer in that mode.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import faulthandler
 import functools
 import json
+import os
 import statistics
 import sys
 import traceback
@@ -194,6 +203,97 @@ def time_round_trips(args, ll, proxy, torch) -> dict:
     return results
 
 
+def time_graph_round_trips(args, problem, buffer, torch) -> dict:
+    """Round trips through the command-buffer adapter against direct DeepEP in a torch graph."""
+    p = problem
+    eager = dep_ll.DeepEPLowLatency(buffer=buffer, problem=p)
+    ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=p, command_buffer_compatible=True)
+    ll.warm_up()
+    n = args.burst
+    x, _, tw, ids = make_problem(args, 4)
+    y = jax.random.normal(jax.random.key(5), (p.num_local_experts, p.num_tokens, p.hidden))
+    y = (y * 0.1).astype(jnp.bfloat16)
+    ours, reference = (
+        jax.jit(functools.partial(_chain_with, ll, n)),
+        jax.jit(functools.partial(_chain_with, eager, n)),
+    )
+    # Equal to the eager adapter, also on fresh input buffers (XLA re-captures the first dispatch).
+    worst = 0.0
+    for seed in (4, 7, 8):
+        xs = make_problem(args, seed)[0]
+        got = np.asarray(jax.block_until_ready(ours(xs, y, tw, ids)), np.float64)
+        want = np.asarray(jax.block_until_ready(reference(xs, y, tw, ids)), np.float64)
+        worst = max(worst, float(np.abs(got - want).max()))
+    check("graph_round_trips_equal_eager", worst == 0.0, max_abs_difference=worst)
+    calls_before = ll.capture.num_host_calls
+    results = {
+        "moe_jax_graph_wall_us": time_calls(
+            lambda: ours(x, y, tw, ids), wait=jax.block_until_ready, samples=args.samples, burst=1
+        ).streamed_ms
+        * 1e3
+        / n,
+        "host_calls_while_timing": ll.capture.num_host_calls - calls_before,
+    }
+    # Direct DeepEP, the same chain captured once in a torch CUDA graph (vLLM's decode setup).
+    x_t, y_t = torch.from_dlpack(x).clone(), torch.from_dlpack(y).clone()
+    tw_t, ids_t = torch.from_dlpack(tw).clone(), torch.from_dlpack(ids).to(torch.int64)
+
+    def direct_chain():
+        out = x_t
+        for _ in range(n):
+            _, _, handle, _, _ = buffer.low_latency_dispatch(
+                out, ids_t, p.num_tokens, p.num_experts, use_fp8=True
+            )
+            out, _, _ = buffer.low_latency_combine(y_t, ids_t, tw_t, handle)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        direct_chain()  # warm-up off the capture, as torch's graph docs ask
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = direct_chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_out = direct_chain()
+    torch.cuda.synchronize()
+    check("direct_graph_equals_direct_eager", bool(torch.equal(graph_out, eager_out)))
+    results["direct_graph_wall_us"] = (
+        time_calls(
+            graph.replay,
+            wait=lambda _: torch.cuda.synchronize(),
+            samples=args.samples,
+            burst=1,
+        ).streamed_ms
+        * 1e3
+        / n
+    )
+    del graph
+    return results
+
+
+def time_graph_layer(args, problem, buffer) -> dict:
+    """deep_ep_ll_moe in command-buffer mode: checked against fused_moe, then timed."""
+    from moe_jax.cli.timing import time_jax
+
+    ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, command_buffer_compatible=True)
+    ll.warm_up()
+    x, w, tw, ids = make_problem(args, 6)
+    layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
+    ref = fused_moe(x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale)
+    err = rel_error(layer(x, w, tw, ids), ref)
+    check("graph_ll_moe_vs_fused_moe", err < 5e-2 and np.isfinite(err), rel_error=err)
+    calls_before = ll.capture.num_host_calls
+    ms, latency_ms = time_jax(layer, (x, w, tw, ids), iters=args.samples)
+    return {
+        "graph_ll_layer_us": ms * 1e3,
+        "graph_ll_layer_latency_us": latency_ms * 1e3,
+        "host_calls_while_timing": ll.capture.num_host_calls - calls_before,
+    }
+
+
 def _chain_with(ll, n, x, y, tw, ids):
     for _ in range(n):
         x = ll.combine(y, ids, tw, ll.dispatch(x, ids))
@@ -255,6 +355,9 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=20)
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="checks only, no timing")
+    parser.add_argument(
+        "--graph", action="store_true", help="also the command-buffer mode (module docstring)"
+    )
     parser.add_argument("--hang-timeout-s", type=float, default=240)
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.hang_timeout_s, exit=True)  # a hung collective
@@ -300,6 +403,24 @@ def main() -> int:
                 )
             steps.append(("layer", lambda: report(timing="layer", **time_layer(args, ll))))
             steps.append(("bridge", lambda: report(timing="bridge", **time_bridge(args, torch))))
+        if args.graph:
+            steps.append(
+                (
+                    "graph_round_trips",
+                    lambda: report(
+                        timing="graph_round_trip",
+                        burst=args.burst,
+                        xla_flags=os.environ.get("XLA_FLAGS", ""),
+                        **time_graph_round_trips(args, problem, buffer, torch),
+                    ),
+                )
+            )
+            steps.append(
+                (
+                    "graph_layer",
+                    lambda: report(timing="graph_layer", **time_graph_layer(args, problem, buffer)),
+                )
+            )
         for name, step in steps:
             try:
                 step()

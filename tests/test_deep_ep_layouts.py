@@ -280,6 +280,11 @@ class FakeLowLatencyBuffer:
     def __init__(self, torch):
         self.torch = torch
         self.calls = []
+        # DeepEP's two LL buffers: each call uses the next one and flips (the host-side index).
+        self.ll_buffers = [torch.zeros(1), torch.zeros(1)]
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return self.ll_buffers[len(self.calls) % 2]
 
     def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, *, use_fp8, **_):
         torch = self.torch
@@ -374,6 +379,81 @@ def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatc
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
     error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
     assert error < (3e-2 if fp8 else 1e-2), error
+
+
+def _fake_ll(torch, monkeypatch, **kwargs):
+    import sys
+    import types
+
+    from moe_jax.interop import deep_ep_ll as dep_ll
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(topk_idx_t=torch.int64))
+    problem = dl.DeepEPProblem(
+        num_ranks=1, rank=0, num_experts=4, num_tokens=8, hidden=2048, num_topk=2
+    )
+    buffer = FakeLowLatencyBuffer(torch)
+    return buffer, dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, **kwargs)
+
+
+def _round_trip_inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(4)[:2] for _ in range(5)])
+    ids[1, 0] = -1  # a slot routed nowhere
+    ids[2] = [-1, 9]  # a token routed nowhere (9 is outside [0, E))
+    x = jnp.asarray(rng.standard_normal((5, 2048)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((4, 8, 2048)), jnp.bfloat16)
+    weights = jnp.asarray(rng.random((5, 2)), jnp.float32)
+    return x, y, weights, jnp.asarray(ids, jnp.int32)
+
+
+def test_ll_command_buffer_mode_pairs_dispatch_and_combine_on_deep_eps_buffers(monkeypatch):
+    """Command-buffer mode on the CPU (no capture there: every call runs the host side): the
+    warm-up fixes the dispatch buffer, each round trip checks the pairing and counts its host
+    calls, and results equal the eager adapter's."""
+    torch = pytest.importorskip("torch", reason="the DeepEP adapters call DeepEP through torch")
+    buffer, ll = _fake_ll(torch, monkeypatch, use_fp8=False, command_buffer_compatible=True)
+    _, eager = _fake_ll(torch, monkeypatch, use_fp8=False)
+    x, y, weights, ids = _round_trip_inputs(3)
+
+    def round_trip(ll, x, y, weights, ids):
+        return ll.combine(y, ids, weights, ll.dispatch(x, ids))
+
+    with pytest.raises(ValueError, match="warm_up"):
+        jax.jit(lambda *a: round_trip(ll, *a))(x, y, weights, ids)
+    ll.warm_up()
+    assert buffer.calls == ["dispatch", "combine"]
+    assert ll.capture.dispatch_buffer_address == buffer.ll_buffers[0].data_ptr()
+    assert ll.capture.num_host_calls == 0  # the warm-up is not a checked call
+    ours = jax.jit(lambda *a: round_trip(ll, *a))
+    for _ in range(2):
+        got = jax.block_until_ready(ours(x, y, weights, ids))
+    assert ll.capture.num_host_calls == 4
+    want = jax.block_until_ready(jax.jit(lambda *a: round_trip(eager, *a))(x, y, weights, ids))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.asarray(got[2], np.float32).any()  # the token routed nowhere stays zero
+
+
+def test_ll_command_buffer_mode_refuses_a_call_on_the_wrong_buffer(monkeypatch):
+    """An unpaired DeepEP call (here a direct dispatch) leaves DeepEP's next buffer on the
+    combine side: the next captured dispatch would break the alternation on replay, so the
+    callback raises instead of calling DeepEP."""
+    torch = pytest.importorskip("torch", reason="the DeepEP adapters call DeepEP through torch")
+    buffer, ll = _fake_ll(torch, monkeypatch, use_fp8=False, command_buffer_compatible=True)
+    x, _, _, ids = _round_trip_inputs(4)
+    ll.warm_up()
+    buffer.low_latency_dispatch(
+        torch.zeros((1, 2048), dtype=torch.bfloat16),
+        torch.full((1, 2), -1, dtype=torch.int64),
+        8,
+        4,
+        use_fp8=False,
+    )
+    calls = len(buffer.calls)
+    with pytest.raises(Exception, match="no longer paired"):
+        jax.block_until_ready(jax.jit(ll.dispatch)(x, ids))
+    assert len(buffer.calls) == calls and ll.capture.num_host_calls == 0
+    with pytest.raises(ValueError, match="one of"):
+        ll.capture.check("send")
 
 
 def test_missing_deep_ep_says_why_and_what_to_do():
