@@ -203,28 +203,43 @@ def time_round_trips(args, ll, proxy, torch) -> dict:
     return results
 
 
+def _identity_round_trip(ll, x, tw, ids):
+    """dispatch -> each expert returns its received row (dequantized) -> combine: sum_k w_k x_t up
+    to FP8, the same bits whatever order DeepEP's atomics gave the rows."""
+    got = ll.dispatch(x, ids)
+    scales = dl.ll_scales_from_storage(got.scales_storage)
+    rows = got.rows.astype(jnp.float32).reshape(*scales.shape, -1) * scales[..., None]
+    rows = dl.ll_clear_stale_rows(rows.reshape(got.rows.shape), got.recv_count)
+    return ll.combine(rows.astype(jnp.bfloat16), ids, tw, got)
+
+
 def time_graph_round_trips(args, problem, buffer, torch) -> dict:
-    """Round trips through the command-buffer adapter against direct DeepEP in a torch graph."""
+    """Round trips through the command-buffer adapter against direct DeepEP, eager and in a
+    torch CUDA graph, in one process."""
     p = problem
     eager = dep_ll.DeepEPLowLatency(buffer=buffer, problem=p)
     ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=p, command_buffer_compatible=True)
     ll.warm_up()
     n = args.burst
+    # Correct first: equal to the eager adapter, also on fresh input buffers (XLA re-captures).
+    _, _, tw, ids = make_problem(args, 4)
+    ours_once = jax.jit(functools.partial(_identity_round_trip, ll))
+    eager_once = jax.jit(functools.partial(_identity_round_trip, eager))
+    worst, worst_ref = 0.0, 0.0
+    for seed in (4, 7, 8):
+        xs = make_problem(args, seed)[0]
+        got = np.asarray(jax.block_until_ready(ours_once(xs, tw, ids)), np.float64)
+        want = np.asarray(jax.block_until_ready(eager_once(xs, tw, ids)), np.float64)
+        worst = max(worst, float(np.abs(got - want).max()))
+        expected = np.einsum("tk,th->th", np.asarray(tw, np.float64), np.asarray(xs, np.float64))
+        worst_ref = max(worst_ref, rel_error(got, expected))
+    check("graph_round_trip_equals_eager", worst == 0.0, max_abs_difference=worst)
+    check("graph_round_trip_vs_sum_of_weights_x", worst_ref < 5e-2, rel_error=worst_ref)
+
     x, _, tw, ids = make_problem(args, 4)
     y = jax.random.normal(jax.random.key(5), (p.num_local_experts, p.num_tokens, p.hidden))
     y = (y * 0.1).astype(jnp.bfloat16)
-    ours, reference = (
-        jax.jit(functools.partial(_chain_with, ll, n)),
-        jax.jit(functools.partial(_chain_with, eager, n)),
-    )
-    # Equal to the eager adapter, also on fresh input buffers (XLA re-captures the first dispatch).
-    worst = 0.0
-    for seed in (4, 7, 8):
-        xs = make_problem(args, seed)[0]
-        got = np.asarray(jax.block_until_ready(ours(xs, y, tw, ids)), np.float64)
-        want = np.asarray(jax.block_until_ready(reference(xs, y, tw, ids)), np.float64)
-        worst = max(worst, float(np.abs(got - want).max()))
-    check("graph_round_trips_equal_eager", worst == 0.0, max_abs_difference=worst)
+    ours = jax.jit(functools.partial(_chain_with, ll, n))
     calls_before = ll.capture.num_host_calls
     results = {
         "moe_jax_graph_wall_us": time_calls(
@@ -234,7 +249,8 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
         / n,
         "host_calls_while_timing": ll.capture.num_host_calls - calls_before,
     }
-    # Direct DeepEP, the same chain captured once in a torch CUDA graph (vLLM's decode setup).
+    # Direct DeepEP: the same chain eager, and captured once in a torch CUDA graph (as vLLM runs
+    # decode steps).
     x_t, y_t = torch.from_dlpack(x).clone(), torch.from_dlpack(y).clone()
     tw_t, ids_t = torch.from_dlpack(tw).clone(), torch.from_dlpack(ids).to(torch.int64)
 
@@ -247,6 +263,13 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
             out, _, _ = buffer.low_latency_combine(y_t, ids_t, tw_t, handle)
         return out
 
+    def wall(fn):
+        timing = time_calls(
+            fn, wait=lambda _: torch.cuda.synchronize(), samples=args.samples, burst=1
+        )
+        return timing.streamed_ms * 1e3 / n
+
+    results["direct_wall_us"] = wall(direct_chain)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -254,44 +277,38 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = direct_chain()
-    graph.replay()
-    torch.cuda.synchronize()
-    eager_out = direct_chain()
-    torch.cuda.synchronize()
-    check("direct_graph_equals_direct_eager", bool(torch.equal(graph_out, eager_out)))
-    results["direct_graph_wall_us"] = (
-        time_calls(
-            graph.replay,
-            wait=lambda _: torch.cuda.synchronize(),
-            samples=args.samples,
-            burst=1,
-        ).streamed_ms
-        * 1e3
-        / n
-    )
+        direct_chain()
+    results["direct_graph_wall_us"] = wall(graph.replay)
     del graph
     return results
 
 
 def time_graph_layer(args, problem, buffer) -> dict:
-    """deep_ep_ll_moe in command-buffer mode: checked against fused_moe, then timed."""
+    """deep_ep_ll_moe in command-buffer mode, with DeepGEMM's masked GEMM ("auto") and with the
+    Pallas grouped GEMM on the masked layout: each checked against fused_moe, then timed."""
     from moe_jax.cli.timing import time_jax
 
     ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, command_buffer_compatible=True)
     ll.warm_up()
     x, w, tw, ids = make_problem(args, 6)
-    layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
     ref = fused_moe(x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale)
-    err = rel_error(layer(x, w, tw, ids), ref)
-    check("graph_ll_moe_vs_fused_moe", err < 5e-2 and np.isfinite(err), rel_error=err)
-    calls_before = ll.capture.num_host_calls
-    ms, latency_ms = time_jax(layer, (x, w, tw, ids), iters=args.samples)
-    return {
-        "graph_ll_layer_us": ms * 1e3,
-        "graph_ll_layer_latency_us": latency_ms * 1e3,
-        "host_calls_while_timing": ll.capture.num_host_calls - calls_before,
-    }
+    results = {}
+    for gemm in ("auto", "pallas"):
+        layer = jax.jit(lambda *a, gemm=gemm: dep_ll.deep_ep_ll_moe(*a, ll=ll, gemm=gemm))
+        err = rel_error(layer(x, w, tw, ids), ref)
+        check(f"graph_ll_moe_vs_fused_moe[{gemm}]", err < 5e-2 and np.isfinite(err), rel_error=err)
+        calls_before = ll.capture.num_host_calls
+        ms, latency_ms = time_jax(layer, (x, w, tw, ids), iters=args.samples)
+        results[f"graph_ll_layer_{gemm}_us"] = ms * 1e3
+        results[f"graph_ll_layer_{gemm}_latency_us"] = latency_ms * 1e3
+        results[f"host_calls_while_timing_{gemm}"] = ll.capture.num_host_calls - calls_before
+    single = jax.jit(
+        lambda x, w, tw, ids: fused_moe(
+            x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale
+        )
+    )
+    results["fused_moe_us"] = time_jax(single, (x, w, tw, ids), iters=args.samples)[0] * 1e3
+    return results
 
 
 def _chain_with(ll, n, x, y, tw, ids):
@@ -358,6 +375,9 @@ def main() -> int:
     parser.add_argument(
         "--graph", action="store_true", help="also the command-buffer mode (module docstring)"
     )
+    parser.add_argument(
+        "--skip-eager-timing", action="store_true", help="checks, and graph timings with --graph"
+    )
     parser.add_argument("--hang-timeout-s", type=float, default=240)
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.hang_timeout_s, exit=True)  # a hung collective
@@ -386,7 +406,7 @@ def main() -> int:
             ("dispatch_vs_direct", lambda: check_dispatch_against_direct(args, ll, buffer, torch)),
             ("layer_vs_fused_moe", lambda: check_layer(args, ll, torch)),
         ]
-        if not args.quick:
+        if not (args.quick or args.skip_eager_timing):
             proxy = EventProxy(buffer, torch)
             for copy in ("valid_rows", "all_rows"):
                 timed = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, recv_copy=copy)
@@ -403,7 +423,7 @@ def main() -> int:
                 )
             steps.append(("layer", lambda: report(timing="layer", **time_layer(args, ll))))
             steps.append(("bridge", lambda: report(timing="bridge", **time_bridge(args, torch))))
-        if args.graph:
+        if args.graph and not args.quick:
             steps.append(
                 (
                     "graph_round_trips",

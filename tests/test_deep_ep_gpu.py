@@ -5,12 +5,14 @@ through `jax.distributed`; so the test launches `scripts/deep_ep_ll_bench.py --q
 process through `python -m moe_jax.distributed`. Its checks: a moe_jax dispatch's valid rows,
 scales and counts equal a direct DeepEP dispatch's, and `deep_ep_ll_moe` (DeepEP FP8 dispatch,
 masked DeepGEMM, DeepEP combine) matches single-device `fused_moe` within 5e-2 relative error
-(vLLM's FP8 bound; measured 1.2e-2 on an H200).
+(vLLM's FP8 bound; measured 1.2e-2 on an H200). The command-buffer mode runs the same way
+(`--graph`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -20,8 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.gpu
-def test_low_latency_layer_on_one_gpu_matches_fused_moe_and_direct_deep_ep():
+def _run_ll_bench(port: int, *args: str) -> str:
     if importlib.util.find_spec("deep_ep") is None:
         pytest.skip("deep_ep is not installed (pip install tokenspeed-deepep==1.2.1.post20251110)")
     proc = subprocess.run(
@@ -32,9 +33,9 @@ def test_low_latency_layer_on_one_gpu_matches_fused_moe_and_direct_deep_ep():
             "--num-processes",
             "1",
             "--coordinator-address",
-            "127.0.0.1:29631",
+            f"127.0.0.1:{port}",
             os.path.join(ROOT, "scripts", "deep_ep_ll_bench.py"),
-            "--quick",
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -42,3 +43,22 @@ def test_low_latency_layer_on_one_gpu_matches_fused_moe_and_direct_deep_ep():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert '"failures": []' in proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.gpu
+def test_low_latency_layer_on_one_gpu_matches_fused_moe_and_direct_deep_ep():
+    _run_ll_bench(29631, "--quick")
+
+
+@pytest.mark.gpu
+def test_low_latency_command_buffer_mode_equals_eager_and_replays_without_python():
+    """`DeepEPLowLatency(command_buffer_compatible=True)`: round trips bit-equal to the eager
+    adapter (also on fresh input buffers), the layer within FP8 tolerance of fused_moe, and XLA
+    replaying its captures (fewer DeepEP host calls while timing than calls made)."""
+    out = _run_ll_bench(29632, "--graph", "--skip-eager-timing", "--samples", "4", "--burst", "4")
+    timing = next(
+        json.loads(line) for line in out.splitlines() if '"timing": "graph_round_trip"' in line
+    )
+    calls = (4 + 2) * 2 * 4  # (samples + warm-ups) x 2 DeepEP calls x burst, all from Python
+    assert timing["host_calls_while_timing"] < calls, timing
