@@ -50,6 +50,7 @@ LAYERS = {
             "interop.deep_ep_layouts",
             "interop.deep_ep_ht",
             "interop.deep_ep_ll",
+            "interop.deep_ep_ll_graph",
         ),
         COMPOSITION,
     ),

@@ -245,3 +245,140 @@ def test_fp8_rows_permute_with_their_scales():
         np.asarray(back[0]), np.asarray(quant.dequant_per_token_group(q[1:2], s[1:2]))[0]
     )
     assert not np.any(np.asarray(lay.row_scales)[np.asarray(lay.expert_ids) < 0])
+
+
+# --- contiguous_destinations: every rank method against a loop over pairs -------------------
+
+
+def _destinations_by_loop(ids, num_experts: int, alignment: int):
+    """(inverse, counts, ends) of the contiguous layout by one pass over the pairs in (token,
+    slot) order: a pair's rank is how many pairs of its expert came before it."""
+    ids = np.asarray(ids)
+    rank = []
+    counts = [0] * num_experts
+    for e in ids.reshape(-1).tolist():
+        if 0 <= e < num_experts:
+            rank.append(counts[e])
+            counts[e] += 1
+        else:
+            rank.append(None)
+    ends, row = [], 0
+    for c in counts:
+        row += -(-c // alignment) * alignment
+        ends.append(row)
+    inverse = [
+        -1 if r is None else ends[e] - -(-counts[e] // alignment) * alignment + r
+        for e, r in zip(ids.reshape(-1).tolist(), rank, strict=True)
+    ]
+    return np.array(inverse, np.int64).reshape(ids.shape), np.array(counts), np.array(ends)
+
+
+def _pair_ids(num_tokens: int, topk: int, num_experts: int, rng, *, hot: bool = False):
+    """int32[T, k] ids in [-2, E + 2) (invalid on both sides), with the first two slots of every
+    third token on one expert; `hot` sends about 70% of pairs to expert 0, so blocks carry long
+    runs of one expert into the next."""
+    ids = rng.integers(-2, num_experts + 2, size=(num_tokens, topk))
+    if hot:
+        ids = np.where(rng.random(ids.shape) < 0.7, 0, ids)
+    if topk > 1:
+        ids[::3, 1] = ids[::3, 0]
+    return ids.astype(np.int32)
+
+
+# (T, k, E, alignment): T=0, T=1, k=1, E=1; P = 255, 256, 257 and 513 straddle `RANK_BLOCK`
+# (256) and `PAIRWISE_RANK_MAX_PAIRS` (512); 768 is three whole blocks, 1000 and 2056 are not
+# multiples of the block.
+DESTINATION_SHAPES = [
+    (0, 8, 4, 4),
+    (1, 1, 1, 1),
+    (1, 8, 3, 4),
+    (300, 2, 1, 8),
+    (255, 1, 5, 4),
+    (256, 1, 5, 4),
+    (257, 1, 5, 4),
+    (64, 8, 24, 16),
+    (513, 1, 7, 1),
+    (96, 8, 32, 128),
+    (125, 8, 6, 4),
+    (257, 8, 32, 128),
+]
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["uniform", "hot"])
+@pytest.mark.parametrize("shape", DESTINATION_SHAPES, ids=lambda s: "T{}_k{}_E{}_a{}".format(*s))
+@pytest.mark.parametrize("method", layouts.RANK_METHODS)
+def test_contiguous_destinations_methods_match_loop(method, shape, hot):
+    num_tokens, topk, num_experts, alignment = shape
+    rng = np.random.default_rng(oracles.seed("destinations", shape, hot))
+    ids = _pair_ids(num_tokens, topk, num_experts, rng, hot=hot)
+    got = jax.jit(
+        lambda i: layouts.contiguous_destinations(
+            i, num_experts=num_experts, alignment=alignment, method=method
+        )
+    )(jnp.asarray(ids))
+    want = _destinations_by_loop(ids, num_experts, alignment)
+    for name, g, w in zip(("inverse", "counts", "ends"), got, want, strict=True):
+        assert g.dtype == jnp.int32, name
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name} by {method}")
+
+
+# Pair counts around the block size B.
+BLOCK_SIZES = {
+    "0": lambda b: 0,
+    "B-1": lambda b: b - 1,
+    "B": lambda b: b,
+    "B+1": lambda b: b + 1,
+    "3B": lambda b: 3 * b,
+    "3B+B/2+1": lambda b: 3 * b + b // 2 + 1,
+}
+
+
+@pytest.mark.parametrize("triangular_max_blocks", [0, layouts.TRIANGULAR_PREFIX_MAX_BLOCKS])
+@pytest.mark.parametrize("block", [1, 7, 16])
+@pytest.mark.parametrize("size", list(BLOCK_SIZES))
+def test_rank_blocked_at_block_boundaries(size, block, triangular_max_blocks):
+    """Ranks and counts of `_rank_blocked` on both sides of block boundaries, the blocks
+    prefixed by the masked sum and (triangular_max_blocks=0) by the cumsum over blocks."""
+    num_pairs = BLOCK_SIZES[size](block)
+    num_experts = 5
+    rng = np.random.default_rng(oracles.seed("rank_blocked", num_pairs, block))
+    ids = _pair_ids(num_pairs, 1, num_experts, rng, hot=bool(num_pairs % 2))
+    rank, counts = layouts._rank_blocked(
+        jnp.asarray(ids.reshape(-1)),
+        num_experts=num_experts,
+        block=block,
+        triangular_max_blocks=triangular_max_blocks,
+    )
+    inverse, want_counts, _ = _destinations_by_loop(ids, num_experts, alignment=1)
+    is_valid = (ids.reshape(-1) >= 0) & (ids.reshape(-1) < num_experts)
+    starts = np.cumsum(want_counts) - want_counts
+    want_rank = inverse.reshape(-1) - starts[np.clip(ids.reshape(-1), 0, num_experts - 1)]
+    assert rank.shape == (num_pairs,) and rank.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(rank)[is_valid], want_rank[is_valid])
+    np.testing.assert_array_equal(np.asarray(counts), want_counts)
+
+
+def test_contiguous_destinations_picks_the_rank_method_by_size(monkeypatch):
+    """Pairwise up to `PAIRWISE_RANK_MAX_PAIRS` pairs, blocked above; `method` overrides."""
+    assert layouts.rank_method(0) == "pairwise"
+    assert layouts.rank_method(layouts.PAIRWISE_RANK_MAX_PAIRS) == "pairwise"
+    assert layouts.rank_method(layouts.PAIRWISE_RANK_MAX_PAIRS + 1) == "blocked"
+    assert layouts.rank_method(1 << 20) == "blocked"
+    called = []
+
+    def spy(name, ranker):
+        def ranked(*args, **kwargs):
+            called.append(name)
+            return ranker(*args, **kwargs)
+
+        return ranked
+
+    monkeypatch.setattr(layouts, "_RANKERS", {n: spy(n, r) for n, r in layouts._RANKERS.items()})
+    topk = 8
+    for num_tokens in (64, 65):  # 512 and 520 pairs
+        ids = jnp.zeros((num_tokens, topk), jnp.int32)
+        layouts.contiguous_destinations(ids, num_experts=2, alignment=4)
+    layouts.contiguous_destinations(ids, num_experts=2, alignment=4, method="sorted")
+    assert called == ["pairwise", "blocked", "sorted"]
+    with pytest.raises(ValueError, match="unknown rank method"):
+        layouts.contiguous_destinations(ids, num_experts=2, alignment=4, method="scan")
