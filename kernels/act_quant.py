@@ -13,16 +13,12 @@ rounded again, then `scale = max(amax, 1e-10) / 448` and `q = clip(a / scale, +-
 e4m3 with round-to-nearest-even. `group_quant` is the same kernel without the activation: it
 quantizes the layer's input tokens before the permute.
 
-Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's roundings
-are the same functions in both, spelled per backend in `_divide_by_rows`, `_divide` and `_round`
-(XLA and Triton each need their own spelling to round where the reference rounds). The one
-spelling that differs in kind is the quotient a / scale: interpret mode divides (`quant.divide`),
-the compiled kernel takes one correctly rounded reciprocal per row and corrects a multiply by it
-with FMAs (`_DIVIDE_ASM`, proved there and emulated instruction by instruction on the CPU by
-tests/test_kernels_act_quant.py); both give the correctly rounded quotient, hence the same FP8
-codes. What interpret mode does not cover is the activation's own float32 arithmetic (`exp` and the
-division inside silu), which Triton lowers to its own GPU instructions: the compiled act + quant
-kernel can move an FP8 code by one step where the activation lands on a bf16 rounding boundary.
+Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's two
+roundings are the same functions in both, spelled per backend in `_divide` and `_round` (XLA and
+Triton each need their own spelling to round where the reference rounds). What interpret mode does
+not cover is the activation's own float32 arithmetic (`exp` and the division inside silu), which
+Triton lowers to its own GPU instructions: the compiled act + quant kernel can move an FP8 code by
+one step where the activation lands on a bf16 rounding boundary.
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ from moe_jax.registry import OpProblem
 # Activations the compiled (Triton) kernel lowers. Exact GELU needs erf/erfc, which the Pallas
 # Triton lowering does not implement (jax 0.11.2); interpret mode runs every activation.
 COMPILED_ACTIVATIONS = ("silu",)
-DIVISIONS = ("reciprocal", "div_rn")  # ActQuantConfig.division
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,25 +54,18 @@ class ActQuantConfig:
         `groups_per_program * 128` columns and quantizes them group by group.
       is_group_major: the grid's fastest axis walks column groups (programs launched together
         read neighbouring columns of the same rows) rather than row blocks.
-      division: how the compiled kernel spells the correctly rounded a / scale; both give the
-        same bits. "reciprocal": one reciprocal per row, then a multiply and FMAs per element
-        (`_DIVIDE_ASM`, 6 SASS instructions). "div_rn": PTX `div.rn.f32` per element (about 15),
-        kept to time against. Interpret mode divides exactly either way.
     """
 
     block_m: int = 32
     num_warps: int = 4
     groups_per_program: int = 1
     is_group_major: bool = False
-    division: str = "reciprocal"
 
     def __post_init__(self):
         for name in ("block_m", "num_warps", "groups_per_program"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"ActQuantConfig.{name}={value} but a power of two is needed")
-        if self.division not in DIVISIONS:
-            raise ValueError(f"ActQuantConfig.division={self.division!r}; choose from {DIVISIONS}")
 
 
 MIN_PROGRAMS = 512  # about 4 programs per H200 multiprocessor: small calls split rows finer
@@ -134,97 +122,7 @@ def _round(x, dtype, *, interpret: bool):
     return round_to_dtype(x, dtype) if interpret else x.astype(dtype)
 
 
-# a / b correctly rounded for a row of a over one scale b, from one reciprocal per row: FMA
-# division with Markstein's correction (P. Markstein, IBM J. Res. Dev. 34(1), 1990; Muller et
-# al., Handbook of Floating-Point Arithmetic, on FMA-based division).
-#
-# Per row (`_ROW_*_ASM`), from the scale b: a positive normal float >= 1e-10 / 448 > 2**-43, or
-# +inf where the group holds an inf; |a| <= the group's amax, so |a / b| <= 448 * (1 + 2**-23).
-# s = 2**(64 - e), e b's exponent; b' = b's significand with exponent 64 (b * s, or 2**64 for
-# b = inf so that the FMAs stay finite); y = RN(1 / (b * s)), 0 for b = inf. Per element
-# (`_DIVIDE_ASM`): a' = a * s, q0 = RN(a' * y), then twice q <- RN(q + RN(a' - b' * q) * y),
-# two FMAs a step. a / b = a' / b' wherever a' is exact:
-#
-# 1. a' = a * s is exact except where s < 1 and |a'| < 2**-126, i.e. |a / b| < 2**-190; there
-#    every q is the zero of a's sign, as RN(a / b) is.
-# 2. y is RN(1 / b') (normal), so b' * y = 1 + eta with |eta| <= 2**-24.
-# 3. Every residual a' - b' * q is a multiple of 2**-149 (a' and q are floats, ulp(b') = 2**41),
-#    so its rounding errs by at most 2**-24 relatively, subnormal or not. With 2, each step maps
-#    q to RN(a/b + (a/b - q) * xi) with |xi| < 2**-22.
-# 4. Normal quotients (|a / b| >= 2**-126): q0 is within 1.5 ulp of a / b; by 3, q1 is within
-#    one ulp, so its residual is exact (under 2**24 units of ulp(b') * ulp(q1) >= 2**-108), and
-#    Markstein's theorem (y within half an ulp of 1 / b', q1 within one ulp of a' / b') gives
-#    q2 = RN(a' / b') = RN(a / b). One step would not do: q0 may be over an ulp off, outside the
-#    theorem. The scaling keeps the residuals off the subnormal range: with b' = b (as small as
-#    2**-43) they can underflow where |a / b| < 2**-60 or a is subnormal.
-# 5. Subnormal quotients (|a / b| < 2**-126): by 3, each q has a's sign (or is its zero) and is
-#    below 2**-124 in magnitude, so the e4m3 cast gives the zero of a's sign, as it does for
-#    RN(a / b). The float32 bits may differ in the last place at exact ties of the subnormal
-#    grid (a / b = 292889 * 2**-150 is one), which normal quotients never are.
-#
-# Signed zeros come out as a / b gives them (a = -0 yields -0: the FMA computes b' * q - a' and
-# the step adds its negation, so zero sums keep q's sign); NaN a gives NaN, and over b = inf,
-# a = +-inf gives NaN and any other a the zero of its sign. PTX `div.rn.f32` per element is about
-# 15 SASS instructions (a reciprocal estimate, FMA refinement, a range check branching to a slow
-# path); `_DIVIDE_ASM` is 6 (ptxas of CUDA 13.0 for sm_90 folds the `neg`s into the FMAs).
-#
-# Per row: s, b' and y, one asm each: Pallas Triton lowers an elementwise_inline_asm of several
-# results to one value (jax 0.10.2, `_elementwise_inline_asm_lowering` wraps the op's results in
-# a list); merge them once it returns every result. Exponent fields: 0x9F000000 = (64 + 254) <<
-# 23, 0x5F800000 = (64 + 127) << 23.
-_ROW_FACTOR_ASM = """{
-.reg .b32 e, s;
-and.b32 e, $1, 0x7F800000;
-sub.u32 s, 0x9F000000, e;
-mov.b32 $0, s;
-}"""  # s = 2**(64 - e) from b = $1
-_ROW_SCALED_ASM = """{
-.reg .b32 m;
-and.b32 m, $1, 0x807FFFFF;
-or.b32 m, m, 0x5F800000;
-mov.b32 $0, m;
-}"""  # b' from b = $1
-_ROW_RECIPROCAL_ASM = """{
-.reg .f32 bs;
-mul.rn.f32 bs, $1, $2;
-rcp.rn.f32 $0, bs;
-}"""  # y = RN(1 / (b * s)) from b = $1, s = $2
-_DIVIDE_ASM = """{
-.reg .f32 sa, na, q, r;
-mul.rn.f32 sa, $1, $2;
-neg.f32 na, sa;
-mul.rn.f32 q, sa, $4;
-fma.rn.f32 r, $3, q, na;
-neg.f32 r, r;
-fma.rn.f32 q, r, $4, q;
-fma.rn.f32 r, $3, q, na;
-neg.f32 r, r;
-fma.rn.f32 $0, r, $4, q;
-}"""  # operands: $0 = a / b; $1 = a; $2 = s, $3 = b', $4 = y of the row
-
-
-def _divide_by_rows(a, scale, *, division: str, interpret: bool):
-    """a [block_m, W] / scale [block_m, 1], correctly rounded (see `_DIVIDE_ASM`): the same FP8
-    codes as `_divide`, which "div_rn" and interpret mode use."""
-    if interpret or division == "div_rn":
-        return _divide(a, scale, interpret=interpret)
-
-    def asm(code, *args):
-        [out] = plt.elementwise_inline_asm(
-            code,
-            args=list(args),
-            constraints=",".join(["=f"] + ["f"] * len(args)),
-            pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)],
-        )
-        return out
-
-    factor = asm(_ROW_FACTOR_ASM, scale)
-    row = (factor, asm(_ROW_SCALED_ASM, scale), asm(_ROW_RECIPROCAL_ASM, scale, factor))
-    return asm(_DIVIDE_ASM, a, *(jnp.broadcast_to(v, a.shape) for v in row))
-
-
-def _store_quantized(a, q_ref, scale_ref, group: int, *, division: str, interpret: bool):
+def _store_quantized(a, q_ref, scale_ref, group: int, *, interpret: bool):
     """Quantizes float32 rows `a` [block_m, 128] into column group `group` of the program's
     q_ref [block_m, G * 128] and scale_ref [block_m, G] blocks."""
     amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
@@ -233,14 +131,11 @@ def _store_quantized(a, q_ref, scale_ref, group: int, *, division: str, interpre
         jnp.full(amax.shape, quant.FP8_MAX, jnp.float32),
         interpret=interpret,
     )
-    quotient = _divide_by_rows(a, scale, division=division, interpret=interpret)
-    # The reference's clip(q, -448, 448), one bound fewer: |q| <= 448 + ulp(448) (the scale's
-    # own rounding), which the cast rounds to 448 either way; a NaN q (NaN or inf input) still
-    # becomes -448, as Triton's NaN-ignoring `maxnumf` makes the clip do.
+    quotient = _divide(a, scale, interpret=interpret)
     width = a.shape[1]
-    q_ref[:, pl.ds(group * width, width)] = jnp.maximum(quotient, -quant.FP8_MAX).astype(
-        q_ref.dtype
-    )
+    q_ref[:, pl.ds(group * width, width)] = jnp.clip(
+        quotient, -quant.FP8_MAX, quant.FP8_MAX
+    ).astype(q_ref.dtype)
     scale_ref[:, pl.ds(group, 1)] = scale
 
 
@@ -255,7 +150,6 @@ def _act_quant_kernel(
     *,
     activation: str,
     group_size: int,
-    division: str,
     interpret: bool,
 ):
     """act(gate) * up quantized, for the program's rows and groups; with `expert_ids_ref`
@@ -267,14 +161,7 @@ def _act_quant_kernel(
             columns = pl.ds(group * group_size, group_size)
             gate, up = gate_ref[:, columns], up_ref[:, columns]
             a = gated_activation(gate, up, activation, round_fn=round_fn)
-            _store_quantized(
-                a.astype(jnp.float32),
-                q_ref,
-                scale_ref,
-                group,
-                division=division,
-                interpret=interpret,
-            )
+            _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
 
     if expert_ids_ref is None:
         compute()
@@ -294,13 +181,12 @@ def _group_quant_kernel(
     scale_ref,
     *,
     group_size: int,
-    division: str,
     interpret: bool,
 ):
     for group in range(scale_ref.shape[1]):
         columns = pl.ds(group * group_size, group_size)
         a = x_ref[:, columns].astype(jnp.float32)
-        _store_quantized(a, q_ref, scale_ref, group, division=division, interpret=interpret)
+        _store_quantized(a, q_ref, scale_ref, group, interpret=interpret)
 
 
 def _quantize_call(
@@ -344,9 +230,7 @@ def _quantize_call(
         operands.append(expert_ids)
     with _triton.quiet_triton_deprecation():
         q, scales = pl.pallas_call(
-            functools.partial(
-                kernel, group_size=group_size, division=cfg.division, interpret=interpret
-            ),
+            functools.partial(kernel, group_size=group_size, interpret=interpret),
             out_shape=(
                 jax.ShapeDtypeStruct((padded_rows, num_groups * group_size), quant.FP8_DTYPE),
                 jax.ShapeDtypeStruct((padded_rows, num_groups), jnp.float32),
@@ -362,7 +246,6 @@ def _quantize_call(
             name=(
                 f"{name}_bm{cfg.block_m}_w{cfg.num_warps}_g{per_program}"
                 f"{'_gm' if cfg.is_group_major else ''}"
-                f"{'_divrn' if cfg.division == 'div_rn' else ''}"
             ),
         )(*operands)
     return q[:num_rows], scales[:num_rows]

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from moe_jax import expert_rank
 from moe_jax._pytree import pytree_dataclass
 
 DEFAULT_ALIGNMENT = 128
@@ -120,140 +121,12 @@ class ContiguousLayout:
     expert_ends: jax.Array
 
 
-PAIRWISE_RANK_MAX_PAIRS = 512  # up to here contiguous_destinations ranks pairs pairwise
-RANK_BLOCK = 256  # pairs per block of the "blocked" rank
-TRIANGULAR_PREFIX_MAX_BLOCKS = 512  # up to here blocks are prefixed by one masked sum
-RANK_METHODS = ("pairwise", "blocked", "sorted", "cumsum")
-
-
-def rank_method(num_pairs: int) -> str:
-    """The rank method `contiguous_destinations` uses for P = T*k pairs.
-
-    "pairwise" up to `PAIRWISE_RANK_MAX_PAIRS` (one [P, P] compare), "blocked" above. On the
-    H200 the pairwise form measured 9.4 us for all routing metadata at T=8 (see
-    `_rank_pairwise`); "blocked" replaced "cumsum" above 512 pairs on the reasoning in
-    `_rank_blocked` and awaits `scripts/destinations_bench.py` on the H200 to confirm it.
-
-    Example:
-      >>> rank_method(512), rank_method(513)
-      ('pairwise', 'blocked')
-    """
-    return "pairwise" if num_pairs <= PAIRWISE_RANK_MAX_PAIRS else "blocked"
-
-
-def _one_hot_counts(flat: jax.Array, num_experts: int) -> jax.Array:
-    """int32[E] pairs per expert of int32[P] ids; ids outside [0, E) count nowhere."""
-    experts = jnp.arange(num_experts, dtype=jnp.int32)
-    return jnp.sum(flat[:, None] == experts[None, :], axis=0, dtype=jnp.int32)
-
-
-def _rank_pairwise(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(rank int32[P], counts int32[E]) by one [P, P] compare: pairs q < p with p's expert.
-
-    Rank is that of each pair among the earlier pairs of its expert; it is meaningless for ids
-    outside [0, E) (the caller masks those). On the H200 (2026-12-02, `kernel_gaps
-    --decode-tokens 8` and 32) the cumsum form left one routing reduce fusion of 33-34 us at 64
-    and 256 pairs; with this form all routing metadata took 9.4 us at T=8 (largest kernel
-    1.8 us), BENCHMARKS.md.
-    """
-    index = jnp.arange(flat.size, dtype=jnp.int32)
-    earlier = index[None, :] < index[:, None]
-    rank = jnp.sum(earlier & (flat[None, :] == flat[:, None]), axis=1, dtype=jnp.int32)
-    return rank, _one_hot_counts(flat, num_experts)
-
-
-def _rank_cumsum(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(rank, counts) by an inclusive cumsum down a one-hot int32[P, E]: the form used above 512
-    pairs until the blocked rank; kept for `scripts/destinations_bench.py` to compare. On the
-    H200 (jax 0.11.2) the routing metadata around it took 34 us at P=32768, E=32 and 65 us at
-    P=65536, E=128, one reduce fusion alone 29.7 us, likely the cumsum: a reduce_window over P
-    that XLA rewrites into a multi-pass scan of the whole [P, E] matrix (not profiled apart)."""
-    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-    counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
-    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
-    return rank, counts
-
-
-def _rank_blocked(
-    flat: jax.Array,
+def contiguous_destinations(
+    local_ids: jax.Array,
     *,
     num_experts: int,
-    block: int = RANK_BLOCK,
-    triangular_max_blocks: int = TRIANGULAR_PREFIX_MAX_BLOCKS,
-) -> tuple[jax.Array, jax.Array]:
-    """(rank, counts) in blocks of `block` pairs, with no scan over P.
-
-    rank[p] = (pairs of p's expert in the blocks before p's) + (earlier pairs of p's expert in
-    p's block). Three reductions, each touching a pair O(block + E) times: per-block counts
-    int32[P/B, E] (one-hot sum), their exclusive prefix over the P/B blocks, and the within-block
-    rank by a pairwise compare int32[P/B, B, B] (P*B compares). Worked example, B=2, E=2,
-    ids [1, 0, 1, 1, 0]:
-
-        block                        0        1        2
-        ids (per pair)               [1, 0]   [1, 1]   [0, -1]   (-1 pads to a multiple of B)
-        block_counts (per expert)    [1, 1]   [0, 2]   [1, 0]
-        block_starts (per expert)    [0, 0]   [1, 1]   [1, 3]    (exclusive prefix over blocks)
-        within (per pair)            [0, 0]   [0, 1]   [0, .]
-        rank = block_starts[id] + within: [0, 0, 1, 2, 1]
-
-    P/B blocks up to `triangular_max_blocks` are prefixed by one masked sum over an
-    [P/B, P/B, E] compare (one fusion; (P/B)^2 * E adds); beyond, by a cumsum over the block
-    axis, which is P/B long where the old form's was P.
-    """
-    num_pairs = flat.size
-    block = max(1, min(block, num_pairs))  # fewer pairs than a block: one block, no padding
-    num_blocks = -(-num_pairs // block)
-    ids = jnp.pad(flat, (0, num_blocks * block - num_pairs), constant_values=-1)
-    ids = ids.reshape(num_blocks, block)
-    experts = jnp.arange(num_experts, dtype=jnp.int32)
-    block_counts = jnp.sum(
-        ids[:, :, None] == experts[None, None, :], axis=1, dtype=jnp.int32
-    )  # [P/B, E]
-    if num_blocks <= triangular_max_blocks:
-        index = jnp.arange(num_blocks, dtype=jnp.int32)
-        is_before = index[None, :] < index[:, None]  # [b, b']: b' < b
-        block_starts = jnp.sum(
-            jnp.where(is_before[:, :, None], block_counts[None, :, :], 0), axis=1, dtype=jnp.int32
-        )
-    else:
-        block_starts = jnp.cumsum(block_counts, axis=0, dtype=jnp.int32) - block_counts
-    slot = jnp.arange(block, dtype=jnp.int32)
-    earlier = slot[None, :] < slot[:, None]  # [p, q]: q < p
-    within = jnp.sum(
-        earlier[None, :, :] & (ids[:, :, None] == ids[:, None, :]), axis=2, dtype=jnp.int32
-    )
-    start = jnp.take_along_axis(block_starts, jnp.clip(ids, 0, num_experts - 1), axis=1)
-    rank = (start + within).reshape(-1)[:num_pairs]
-    return rank, jnp.sum(block_counts, axis=0, dtype=jnp.int32)
-
-
-def _rank_sorted(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(rank, counts) from a stable sort by expert and the inverse permutation.
-
-    A valid pair's position in that order is (pairs of smaller experts) + (its rank); ids
-    outside [0, E) sort last (key E). The (key, index) sort compares keys only, which XLA on
-    GPU may run as a CUB radix sort of pairs.
-    """
-    num_pairs = flat.size
-    counts = _one_hot_counts(flat, num_experts)
-    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts).astype(jnp.int32)
-    index = jnp.arange(num_pairs, dtype=jnp.int32)
-    _, order = jax.lax.sort((key, index), num_keys=1, is_stable=True)
-    position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(index, unique_indices=True)
-    first_of_expert = jnp.cumsum(counts, dtype=jnp.int32) - counts
-    return position - first_of_expert[jnp.clip(flat, 0, num_experts - 1)], counts
-
-
-_RANKERS = {
-    "pairwise": _rank_pairwise,
-    "blocked": _rank_blocked,
-    "sorted": _rank_sorted,
-    "cumsum": _rank_cumsum,
-}
-
-
-def contiguous_destinations(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, method: str | None = None
+    alignment: int,
+    method: str | Callable[..., tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Where each (token, slot) lands in the contiguous layout.
 
@@ -265,8 +138,10 @@ def contiguous_destinations(
         goes nowhere too.
       num_experts: E.
       alignment: segment length multiple.
-      method: how pairs are ranked within their expert, one of `RANK_METHODS`; every method
-        returns the same bits. None picks `rank_method(T * k)`.
+      method: how pairs are ranked within their expert: a name in `expert_rank.METHODS`, or a
+        ranker `f(flat_ids, *, num_experts) -> (rank, counts)` (`expert_rank.RANKERS` values,
+        with tunables bound); every method gives the same bits. None picks
+        `expert_rank.method_for(T * k)`.
 
     Returns:
       (inverse int32[T, k] with -1 for invalid slots, num_tokens_per_expert int32[E],
@@ -278,19 +153,13 @@ def contiguous_destinations(
       >>> inverse.tolist(), counts.tolist(), ends.tolist()
       ([[4, 0], [5, 6]], [1, 3], [4, 8])
     """
-    method = rank_method(local_ids.size) if method is None else method
-    if method not in _RANKERS:
-        raise ValueError(f"unknown rank {method=}; choose from {RANK_METHODS} or None")
-    return _destinations(
-        local_ids, ranker=_RANKERS[method], num_experts=num_experts, alignment=alignment
-    )
-
-
-def _destinations(
-    local_ids: jax.Array, *, ranker: Callable, num_experts: int, alignment: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`contiguous_destinations` with the pairs ranked by `ranker` (one of `_RANKERS`' values,
-    or one with other tunables bound, as `scripts/destinations_bench.py` times them)."""
+    method = expert_rank.method_for(local_ids.size) if method is None else method
+    if callable(method):
+        ranker = method
+    elif method in expert_rank.RANKERS:
+        ranker = expert_rank.RANKERS[method]
+    else:
+        raise ValueError(f"unknown rank {method=}; choose from {expert_rank.METHODS} or None")
     flat = local_ids.reshape(-1)
     # Rank of each pair among earlier pairs of the same expert: (token, slot) order.
     rank, counts = ranker(flat, num_experts=num_experts)

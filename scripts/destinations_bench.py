@@ -2,7 +2,7 @@
 
 For each shape, every candidate computes the whole of `contiguous_destinations` (inverse,
 counts, ends; alignment 128) with one rank method: "current" (the code before the blocked
-rank: pairwise up to 512 pairs, one-hot cumsum above), "auto" (`rank_method`'s choice now),
+rank: pairwise up to 512 pairs, one-hot cumsum above), "auto" (`expert_rank.method_for`'s choice),
 "pairwise" (up to 16384 pairs), "cumsum", "blocked" at several block sizes and with the block
 prefix by cumsum ("prefix=cumsum"), and "sorted". Each is first checked bit for bit against
 "current" on the routing timed (k distinct experts per token, all valid) and on one with ids
@@ -32,10 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import layouts
+from moe_jax import expert_rank, layouts
 from moe_jax.cli import kernel_gaps, timing
 
 ALIGNMENT = layouts.DEFAULT_ALIGNMENT
+PREVIOUS_PAIRWISE_MAX_PAIRS = 512  # "current": the rule before the blocked rank (cumsum above)
 PAIRWISE_MAX_PAIRS = 16384  # "pairwise" is timed up to here; beyond, its [P, P] compare is moot
 
 
@@ -63,23 +64,23 @@ SHAPES = {
 
 
 def candidates(shape: Shape) -> dict[str, Callable]:
-    """Name -> ranker (`layouts._RANKERS` values, some with tunables bound)."""
-    old = "pairwise" if shape.num_pairs <= layouts.PAIRWISE_RANK_MAX_PAIRS else "cumsum"
+    """Name -> ranker (`expert_rank.RANKERS` values, some with tunables bound)."""
+    old = "pairwise" if shape.num_pairs <= PREVIOUS_PAIRWISE_MAX_PAIRS else "cumsum"
     out = {
-        f"current ({old})": layouts._RANKERS[old],
-        f"auto ({layouts.rank_method(shape.num_pairs)})": layouts._RANKERS[
-            layouts.rank_method(shape.num_pairs)
+        f"current ({old})": expert_rank.RANKERS[old],
+        f"auto ({expert_rank.method_for(shape.num_pairs)})": expert_rank.RANKERS[
+            expert_rank.method_for(shape.num_pairs)
         ],
     }
     if shape.num_pairs <= PAIRWISE_MAX_PAIRS:
-        out["pairwise"] = layouts._rank_pairwise
-    out["cumsum"] = layouts._rank_cumsum
+        out["pairwise"] = expert_rank.rank_pairwise
+    out["cumsum"] = expert_rank.rank_cumsum
     for block in (128, 256, 512, 1024):
-        out[f"blocked B={block}"] = functools.partial(layouts._rank_blocked, block=block)
-    out[f"blocked B={layouts.RANK_BLOCK} prefix=cumsum"] = functools.partial(
-        layouts._rank_blocked, block=layouts.RANK_BLOCK, triangular_max_blocks=0
+        out[f"blocked B={block}"] = functools.partial(expert_rank.rank_blocked, block=block)
+    out[f"blocked B={expert_rank.BLOCK} prefix=cumsum"] = functools.partial(
+        expert_rank.rank_blocked, block=expert_rank.BLOCK, triangular_max_blocks=0
     )
-    out["sorted"] = layouts._rank_sorted
+    out["sorted"] = expert_rank.rank_sorted
     return out
 
 
@@ -147,8 +148,8 @@ def bench_shape(shape: Shape, args) -> tuple[list[dict], bool]:
     fns = {
         name: jax.jit(
             functools.partial(
-                layouts._destinations,
-                ranker=ranker,
+                layouts.contiguous_destinations,
+                method=ranker,
                 num_experts=shape.num_experts,
                 alignment=ALIGNMENT,
             )

@@ -21,7 +21,16 @@ FOUNDATIONS, FRONTS, BACKENDS, COMPOSITION, TOOLS = 1, 2, 3, 4, 5
 # (PACKAGES); a library module imports their submodules, never their re-exported names.
 LAYERS = {
     **dict.fromkeys(
-        ("registry", "_pytree", "quant", "layouts", "activation", "routing", "reference"),
+        (
+            "registry",
+            "_pytree",
+            "quant",
+            "expert_rank",
+            "layouts",
+            "activation",
+            "routing",
+            "reference",
+        ),
         FOUNDATIONS,
     ),
     **dict.fromkeys(

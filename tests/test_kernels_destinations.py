@@ -16,7 +16,7 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import kernels, layouts
+from moe_jax import expert_rank, kernels, layouts
 from moe_jax import permute as permute_front
 from moe_jax.kernels.destinations import DestinationsConfig, heuristic_config
 from moe_jax.kernels.permute import routing_metadata
@@ -99,12 +99,12 @@ def test_destinations_match_oracle(impl, problem):
         np.testing.assert_array_equal(g, w, err_msg=f"{name} of {problem}")
 
 
-@pytest.mark.parametrize("num_tokens", [64, 65, 130])
+@pytest.mark.parametrize("num_tokens", [512, 513])
 def test_reference_ranks_equal_the_oracle_on_both_sides_of_the_pairwise_bound(num_tokens):
-    """The XLA reference ranks up to `PAIRWISE_RANK_MAX_PAIRS` pairs by pairwise comparison and
-    beyond by a cumulative sum of one-hots (8 slots: 512 pairs, 520 and 1040): both give the
-    oracle's layout, invalid ids and duplicates included."""
-    assert layouts.PAIRWISE_RANK_MAX_PAIRS == 512
+    """The XLA reference ranks up to `expert_rank.PAIRWISE_MAX_PAIRS` pairs by pairwise
+    comparison and beyond in blocks (8 slots: 4096 pairs and 4104): both give the oracle's
+    layout, invalid ids and duplicates included."""
+    assert expert_rank.PAIRWISE_MAX_PAIRS == 4096
     problem = Problem(f"bound_{num_tokens}", num_tokens, 8, 24, alignment=16)
     local = _local_ids(problem)
     got = _run("reference", jnp.asarray(local, jnp.int32), problem)

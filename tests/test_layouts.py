@@ -10,7 +10,7 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import layouts, quant
+from moe_jax import expert_rank, layouts, quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,9 +285,9 @@ def _pair_ids(num_tokens: int, topk: int, num_experts: int, rng, *, hot: bool = 
     return ids.astype(np.int32)
 
 
-# (T, k, E, alignment): T=0, T=1, k=1, E=1; P = 255, 256, 257 and 513 straddle `RANK_BLOCK`
-# (256) and `PAIRWISE_RANK_MAX_PAIRS` (512); 768 is three whole blocks, 1000 and 2056 are not
-# multiples of the block.
+# (T, k, E, alignment): T=0, T=1, k=1, E=1; P = 255, 256 and 257 straddle `expert_rank.BLOCK`
+# (256); 768 is three whole blocks, 1000 and 2056 are not multiples of the block. Each method
+# runs on every shape; which one `contiguous_destinations` picks is tested below.
 DESTINATION_SHAPES = [
     (0, 8, 4, 4),
     (1, 1, 1, 1),
@@ -306,7 +306,7 @@ DESTINATION_SHAPES = [
 
 @pytest.mark.parametrize("hot", [False, True], ids=["uniform", "hot"])
 @pytest.mark.parametrize("shape", DESTINATION_SHAPES, ids=lambda s: "T{}_k{}_E{}_a{}".format(*s))
-@pytest.mark.parametrize("method", layouts.RANK_METHODS)
+@pytest.mark.parametrize("method", expert_rank.METHODS)
 def test_contiguous_destinations_methods_match_loop(method, shape, hot):
     num_tokens, topk, num_experts, alignment = shape
     rng = np.random.default_rng(oracles.seed("destinations", shape, hot))
@@ -333,17 +333,17 @@ BLOCK_SIZES = {
 }
 
 
-@pytest.mark.parametrize("triangular_max_blocks", [0, layouts.TRIANGULAR_PREFIX_MAX_BLOCKS])
+@pytest.mark.parametrize("triangular_max_blocks", [0, expert_rank.TRIANGULAR_PREFIX_MAX_BLOCKS])
 @pytest.mark.parametrize("block", [1, 7, 16])
 @pytest.mark.parametrize("size", list(BLOCK_SIZES))
 def test_rank_blocked_at_block_boundaries(size, block, triangular_max_blocks):
-    """Ranks and counts of `_rank_blocked` on both sides of block boundaries, the blocks
-    prefixed by the masked sum and (triangular_max_blocks=0) by the cumsum over blocks."""
+    """Ranks and counts of `expert_rank.rank_blocked` on both sides of block boundaries, the
+    blocks prefixed by the masked sum and (triangular_max_blocks=0) by the cumsum over blocks."""
     num_pairs = BLOCK_SIZES[size](block)
     num_experts = 5
     rng = np.random.default_rng(oracles.seed("rank_blocked", num_pairs, block))
     ids = _pair_ids(num_pairs, 1, num_experts, rng, hot=bool(num_pairs % 2))
-    rank, counts = layouts._rank_blocked(
+    rank, counts = expert_rank.rank_blocked(
         jnp.asarray(ids.reshape(-1)),
         num_experts=num_experts,
         block=block,
@@ -359,11 +359,11 @@ def test_rank_blocked_at_block_boundaries(size, block, triangular_max_blocks):
 
 
 def test_contiguous_destinations_picks_the_rank_method_by_size(monkeypatch):
-    """Pairwise up to `PAIRWISE_RANK_MAX_PAIRS` pairs, blocked above; `method` overrides."""
-    assert layouts.rank_method(0) == "pairwise"
-    assert layouts.rank_method(layouts.PAIRWISE_RANK_MAX_PAIRS) == "pairwise"
-    assert layouts.rank_method(layouts.PAIRWISE_RANK_MAX_PAIRS + 1) == "blocked"
-    assert layouts.rank_method(1 << 20) == "blocked"
+    """Pairwise up to `expert_rank.PAIRWISE_MAX_PAIRS` pairs, blocked above; `method` overrides."""
+    assert expert_rank.method_for(0) == "pairwise"
+    assert expert_rank.method_for(expert_rank.PAIRWISE_MAX_PAIRS) == "pairwise"
+    assert expert_rank.method_for(expert_rank.PAIRWISE_MAX_PAIRS + 1) == "blocked"
+    assert expert_rank.method_for(1 << 20) == "blocked"
     called = []
 
     def spy(name, ranker):
@@ -373,9 +373,11 @@ def test_contiguous_destinations_picks_the_rank_method_by_size(monkeypatch):
 
         return ranked
 
-    monkeypatch.setattr(layouts, "_RANKERS", {n: spy(n, r) for n, r in layouts._RANKERS.items()})
+    spies = {n: spy(n, r) for n, r in expert_rank.RANKERS.items()}
+    monkeypatch.setattr(expert_rank, "RANKERS", spies)
     topk = 8
-    for num_tokens in (64, 65):  # 512 and 520 pairs
+    bound = expert_rank.PAIRWISE_MAX_PAIRS // topk
+    for num_tokens in (bound, bound + 1):  # 4096 and 4104 pairs
         ids = jnp.zeros((num_tokens, topk), jnp.int32)
         layouts.contiguous_destinations(ids, num_experts=2, alignment=4)
     layouts.contiguous_destinations(ids, num_experts=2, alignment=4, method="sorted")
