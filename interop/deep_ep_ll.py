@@ -366,8 +366,10 @@ def deep_ep_ll_moe(
       topk_ids: int[T, k] global expert ids; ids outside [0, E) go nowhere.
       ll: `DeepEPLowLatency`.
       activation: gated activation of the experts.
-      gemm: grouped-GEMM backend of the masked layout (`moe_jax.grouped_gemm.GEMMS`); "auto" is
-        DeepGEMM's masked GEMM on an H200.
+      gemm: grouped-GEMM backend of the masked layout (`moe_jax.grouped_gemm.GEMMS`); "auto"
+        follows that registry's rule: on a GPU with FP8 weights the Pallas grouped GEMM up to
+        `PALLAS_MAX_PAIRS_PER_EXPERT` routed pairs per local expert (R * T_max * k / E_local),
+        DeepGEMM's masked GEMM above.
 
     Returns:
       bf16[T, H]. With FP8 weights the dispatch sends FP8 (DeepEP's own cast, amax floor 1e-4:

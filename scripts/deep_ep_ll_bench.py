@@ -284,16 +284,34 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
 
 
 def time_graph_layer(args, problem, buffer) -> dict:
-    """deep_ep_ll_moe in command-buffer mode, with DeepGEMM's masked GEMM ("auto") and with the
-    Pallas grouped GEMM on the masked layout: each checked against fused_moe, then timed."""
+    """deep_ep_ll_moe in command-buffer mode with DeepGEMM's masked GEMM, the Pallas grouped
+    GEMM on the masked layout, and "auto" (the GEMM registry's choice, which it reports): each
+    checked against fused_moe, then timed."""
     from moe_jax.cli.timing import time_jax
 
     ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, command_buffer_compatible=True)
     ll.warm_up()
     x, w, tw, ids = make_problem(args, 6)
     ref = fused_moe(x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale)
-    results = {}
-    for gemm in ("auto", "pallas"):
+    from moe_jax import grouped_gemm
+
+    p = problem
+    chosen = grouped_gemm.GEMMS.select(
+        "auto",
+        grouped_gemm.GemmProblem(
+            platform="gpu",
+            layout="masked",
+            x_dtype="float8_e4m3fn",
+            w_dtype="float8_e4m3fn",
+            num_experts=p.num_local_experts,
+            num_pairs=p.num_ranks * p.num_tokens * p.num_topk,
+            n=w.w1.shape[1],
+            k=p.hidden,
+            max_m=p.num_ranks * p.num_tokens,
+        ),
+    )
+    results = {"auto_gemm": chosen.name}
+    for gemm in ("deep_gemm", "pallas", "auto"):
         layer = jax.jit(lambda *a, gemm=gemm: dep_ll.deep_ep_ll_moe(*a, ll=ll, gemm=gemm))
         err = rel_error(layer(x, w, tw, ids), ref)
         check(f"graph_ll_moe_vs_fused_moe[{gemm}]", err < 5e-2 and np.isfinite(err), rel_error=err)
