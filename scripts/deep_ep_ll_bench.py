@@ -270,6 +270,13 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
         return timing.streamed_ms * 1e3 / n
 
     results["direct_wall_us"] = wall(direct_chain)
+    if args.profile:
+        results["moe_jax_graph_kernels"] = kernel_profile(
+            lambda: ours(x, y, tw, ids), jax.block_until_ready, n
+        )
+        results["direct_kernels"] = kernel_profile(
+            direct_chain, lambda _: torch.cuda.synchronize(), n
+        )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -281,6 +288,34 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
     results["direct_graph_wall_us"] = wall(graph.replay)
     del graph
     return results
+
+
+def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
+    """Device time per round trip by kernel (us), from a `jax.profiler` trace of `calls` waited
+    calls of `round_trips` round trips each (kernels inside CUDA graphs are listed one by one)."""
+    import glob
+    import tempfile
+
+    from moe_jax.cli import kernel_gaps
+
+    wait(call())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                wait(call())
+        path = max(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+        events, _ = kernel_gaps.device_kernels(path)
+    per_kernel: dict[str, float] = {}
+    for event in events:
+        name = kernel_gaps.short_name(event.name)[:60]
+        per_kernel[name] = per_kernel.get(name, 0.0) + event.duration_ns
+    scale = 1e-3 / (calls * round_trips)
+    top = sorted(per_kernel.items(), key=lambda item: -item[1])
+    return {
+        "busy_us": sum(per_kernel.values()) * scale,
+        "kernels_per_round_trip": len(events) / (calls * round_trips),
+        "top": {name: round(ns * scale, 2) for name, ns in top[:8]},
+    }
 
 
 def time_graph_layer(args, problem, buffer) -> dict:
@@ -395,6 +430,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--skip-eager-timing", action="store_true", help="checks, and graph timings with --graph"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="with --graph: device time by kernel, both chains"
     )
     parser.add_argument("--hang-timeout-s", type=float, default=240)
     args = parser.parse_args()
