@@ -3,8 +3,9 @@
 `bridge.torch_callback` runs a torch function on XLA's buffers and stream; the GEMM backends
 "torch" and "deep_gemm" register themselves with `moe_jax.grouped_gemm` when imported (the registry
 imports them on first use). `deep_ep`, `deep_ep_ht` and `deep_ep_ll` hold the DeepEP
-expert-parallel adapters (one process per
-GPU, started with `moe_jax.distributed.init_distributed`). torch, deep_gemm and deep_ep are
+expert-parallel adapters (one process per GPU, started with
+`moe_jax.distributed.init_distributed`); `deep_ep_ll_graph` keeps the low-latency adapter's calls
+safe to capture into XLA's CUDA graphs. torch, deep_gemm and deep_ep are
 imported only when a call needs them.
 """
 
