@@ -183,8 +183,8 @@ class DeepEPLowLatency:
         graphs, so replays run no Python (`moe_jax.interop.deep_ep_ll_graph` says what that
         takes). Call `warm_up()` once, on every rank, before tracing; every jitted program must
         combine each of its dispatches (`deep_ep_ll_moe` does).
-      capture: `deep_ep_ll_graph.LLCaptureState`, made by the adapter: that mode's host state,
-        with `num_host_calls` (DeepEP calls made from Python: a replayed graph adds none).
+      capture: `deep_ep_ll_graph.LLCaptureState`, made by the adapter: command-buffer mode's
+        host state, with `num_host_calls` (DeepEP calls made from Python; a replay adds none).
     """
 
     buffer: Any

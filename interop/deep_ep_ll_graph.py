@@ -52,8 +52,9 @@ class LLCaptureState:
     Attributes:
       buffer: the adapter's `deep_ep.Buffer`.
       problem: the adapter's `DeepEPProblem`.
-      num_host_calls: DeepEP calls this adapter's callbacks made on the host (captures,
-        re-captures and eager runs alike; replays add nothing), for checking that XLA replays.
+      num_host_calls: DeepEP calls the adapter's capturable callbacks made from Python (each
+        capture or re-capture; every call on the CPU, where nothing is captured; a replay adds
+        none), for checking that XLA replays. The warm-up is not counted.
       dispatch_buffer_address: address of the LL buffer every captured dispatch must use (the
         warm-up dispatch's), or None before the warm-up.
       pool: the private `torch.cuda.MemPool`, or None on the CPU.
