@@ -1,6 +1,7 @@
 """Expert parallelism on 2 (4, 8) GPUs: DeepEP high-throughput and low-latency through moe_jax, and
 the JAX-native all-to-all EP, each checked against single-device `fused_moe` on the same global
-problem and timed against direct DeepEP calls / the single-GPU layer.
+problem and timed against direct DeepEP calls / the single-GPU layer; the low-latency layer and
+round trip also in command-buffer mode (`DeepEPLowLatency(command_buffer_compatible=True)`).
 
 Run on a host with R GPUs (after `source .gpu/install.sh`):
 
@@ -217,8 +218,30 @@ def run_low_latency(ctx, args, torch) -> None:
             moe_jax_round_trip_us=ours_us, speed_ratio=direct_us / ours_us,
             ep_layer_us=layer_us, single_gpu_layer_same_tokens_us=single_us,
         )  # fmt: skip
+        run_low_latency_graph(ctx, problem, buffer, (xr, ew, wr, idr, y), ref, direct_us)
     finally:
         buffer.destroy()
+
+
+def run_low_latency_graph(ctx, problem, buffer, inputs, ref, direct_us) -> None:
+    """The LL layer and round trip in command-buffer mode (XLA's CUDA graphs): checked against
+    fused_moe like the eager adapter, then timed against the direct round trip above."""
+    xr, ew, wr, idr, y = inputs
+    ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, command_buffer_compatible=True)
+    ll.warm_up()  # collective: every rank
+    layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
+    err = rel_error(layer(xr, ew, wr, idr), ref)
+    report(ctx, check="ll_graph_vs_fused_moe", rel_error=err, ok=err < 5e-2)
+    if not err < 5e-2:
+        FAILURES.append("ll_graph_vs_fused_moe")
+    ours = jax.jit(lambda x, y, w, ids: ll.combine(y, ids, w, ll.dispatch(x, ids)))
+    calls_before = ll.capture.num_host_calls
+    ours_us = burst_us(lambda: ours(xr, y, wr, idr), jax.block_until_ready)
+    layer_us = burst_us(lambda: layer(xr, ew, wr, idr), jax.block_until_ready)
+    report(
+        ctx, timing="ll_graph", moe_jax_round_trip_us=ours_us, speed_ratio=direct_us / ours_us,
+        ep_layer_us=layer_us, host_calls_while_timing=ll.capture.num_host_calls - calls_before,
+    )  # fmt: skip
 
 
 def run_jax_native(ctx, args) -> None:
