@@ -305,10 +305,10 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
 def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
     """Device time per round trip by kernel (us), and where the device idles, from a
     `jax.profiler` trace of `calls` waited calls of `round_trips` round trips each (kernels
-    inside CUDA graphs are listed one by one).
-
-    "span_us" is first kernel start to last kernel end per call, per round trip; "idle" sums the
-    gaps between consecutive kernels of a call by the pair of kernels around them.
+    inside CUDA graphs are listed one by one). Each call runs the same kernels, so the timeline
+    splits into calls by count (`kernel_gaps.split_forwards`); "span_us", "busy_us" and
+    "idle_us" are `kernel_gaps.summarize`'s per call, and "idle" sums its gaps by the pair of
+    kernels around them.
     """
     import glob
     import tempfile
@@ -322,32 +322,28 @@ def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
                 wait(call())
         path = max(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
         events, _ = kernel_gaps.device_kernels(path)
-    events = sorted(events, key=lambda e: e.start_ns)
-    per_kernel: dict[str, float] = {}
+    per_call = kernel_gaps.split_forwards(events, max(1, len(events) // calls))
+    summaries = [kernel_gaps.summarize(one, top=len(one)) for one in per_call]
     idle: dict[str, float] = {}
-    span = 0.0
-    for one_call in _split_calls(events, calls):
-        span += one_call[-1].start_ns + one_call[-1].duration_ns - one_call[0].start_ns
-        for prev, event in zip(one_call, one_call[1:], strict=False):
-            gap = event.start_ns - (prev.start_ns + prev.duration_ns)
-            if gap > 0:
-                pair = f"{_short(prev.name)} -> {_short(event.name)}"
-                idle[pair] = idle.get(pair, 0.0) + gap
-    for event in events:
-        per_kernel[_short(event.name)] = per_kernel.get(_short(event.name), 0.0) + event.duration_ns
-    scale = 1e-3 / (calls * round_trips)
+    for summary in summaries:
+        for gap in summary.largest:
+            pair = f"{_short(gap.before)} -> {_short(gap.after)}"
+            idle[pair] = idle.get(pair, 0.0) + gap.ns / len(summaries)
+    scale = 1e-3 / round_trips  # ns per call -> us per round trip
 
-    def top(table: dict[str, float], n: int) -> dict[str, float]:
-        ranked = sorted(table.items(), key=lambda item: -item[1])[:n]
-        return {name: round(ns * scale, 2) for name, ns in ranked}
+    def mean(field: str) -> float:
+        return statistics.mean(getattr(summary, field) for summary in summaries) * scale
 
+    ranked_idle = sorted(idle.items(), key=lambda item: -item[1])[:6]
     return {
-        "busy_us": sum(per_kernel.values()) * scale,
-        "span_us": span * scale,
-        "idle_us": sum(idle.values()) * scale,
+        "busy_us": mean("busy_ns"),
+        "span_us": mean("span_ns"),
+        "idle_us": mean("idle_ns"),
         "kernels_per_round_trip": len(events) / (calls * round_trips),
-        "top": top(per_kernel, 8),
-        "idle": top(idle, 6),
+        "top": {
+            _short(t.name): round(t.ns * scale, 2) for t in kernel_gaps.kernel_times(per_call)[:8]
+        },
+        "idle": {pair: round(ns * scale, 2) for pair, ns in ranked_idle},
     }
 
 
@@ -355,19 +351,6 @@ def _short(name: str) -> str:
     from moe_jax.cli import kernel_gaps
 
     return kernel_gaps.short_name(name, template_args=1)[:48]
-
-
-def _split_calls(events, calls: int) -> list:
-    """Kernel events (sorted by start) cut into `calls` waited calls at the `calls - 1` largest
-    gaps (each call was waited for on the host, so those gaps hold the host's turnaround)."""
-    if calls <= 1 or len(events) < calls:
-        return [events]
-    gaps = sorted(
-        range(1, len(events)),
-        key=lambda i: events[i].start_ns - events[i - 1].start_ns - events[i - 1].duration_ns,
-    )[-(calls - 1) :]
-    cuts = [0, *sorted(gaps), len(events)]
-    return [events[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
 def time_graph_layer(args, problem, buffer) -> dict:
