@@ -13,12 +13,14 @@ rounded again, then `scale = max(amax, 1e-10) / 448` and `q = clip(a / scale, +-
 e4m3 with round-to-nearest-even. `group_quant` is the same kernel without the activation: it
 quantizes the layer's input tokens before the permute.
 
-Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's two
-roundings are the same functions in both, spelled per backend in `_divide` and `_round` (XLA and
-Triton each need their own spelling to round where the reference rounds). What interpret mode does
-not cover is the activation's own float32 arithmetic (`exp` and the division inside silu), which
-Triton lowers to its own GPU instructions: the compiled act + quant kernel can move an FP8 code by
-one step where the activation lands on a bf16 rounding boundary.
+Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's roundings
+are the same functions in both, spelled per backend in `_divide`, `_divide_rows`, `_saturate` and
+`_round` (XLA and Triton each need their own spelling to round where the reference rounds; the
+compiled spellings are also the cheap ones: a reciprocal per row instead of a division per
+element, the cast's own saturation instead of a clip). What interpret mode does not cover is the
+activation's own float32 arithmetic, which the compiled kernel spells with `exp2`
+(`KERNEL_ACTIVATIONS`) and Triton lowers to its own GPU instructions: the compiled act + quant
+kernel can move an FP8 code by one step where the activation lands on a bf16 rounding boundary.
 """
 
 from __future__ import annotations
@@ -116,6 +118,80 @@ def _divide(a, b, *, interpret: bool):
     return quotient
 
 
+# One correction step after a multiply by the correctly rounded reciprocal (Markstein): the
+# residual a - q0 * b is exact in an FMA (for |a| >= 2**-100), and q0 + residual / b, as an FMA
+# with the reciprocal, is then the correctly rounded quotient; copysign keeps -0 / b == -0.
+_DIVIDE_BY_RECIPROCAL_PTX = """{
+    .reg .f32 q0, r, q1;
+    mul.rn.f32 q0, $1, $2;
+    neg.f32 r, q0;
+    fma.rn.f32 r, r, $3, $1;
+    fma.rn.f32 q1, r, $2, q0;
+    copysign.f32 $0, $1, q1;
+}"""
+
+
+def _divide_rows(a, b, *, interpret: bool):
+    """a [rows, C] / b [rows, 1], for the cast to e4m3 that follows: the same codes as the
+    correctly rounded quotient, for finite b that is a normal float32 (the quantization scales,
+    max(amax, 1e-10) / 448: 2.2e-13 to 7.6e35).
+
+    Interpret mode divides (`quant.divide`). The compiled kernel takes one correctly rounded
+    reciprocal per row (`div.rn.f32`) and per element a multiply and two FMAs, CUDA's own
+    `div.rn.f32` fast path (a refined reciprocal, a multiply, one FMA correction) without its
+    per-element reciprocal and range check (FCHK): 4 SASS instructions per element instead of
+    10 and a branch. The quotient is the correctly rounded one wherever the residual a - q0 * b
+    is exact, i.e. |a| >= 2**-100; below that it may be one float32 ulp off, but such a quotient
+    (under 2**-58) casts to a zero of a's sign either way (copysign keeps -0.0 / b == -0.0).
+    `tests/test_kernels_act_quant.py` checks the codes bit for bit next to e4m3 rounding ties.
+    """
+    if interpret:
+        return quant.divide(a, b)
+    reciprocal = _divide(jnp.ones(b.shape, jnp.float32), b, interpret=False)
+    [quotient] = plt.elementwise_inline_asm(
+        _DIVIDE_BY_RECIPROCAL_PTX,
+        args=[a, jnp.broadcast_to(reciprocal, a.shape), jnp.broadcast_to(b, a.shape)],
+        constraints="=f,f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return quotient
+
+
+def _saturate(q, *, interpret: bool):
+    """q clipped to e4m3's +-448 before the cast, where the cast does not saturate itself.
+
+    XLA's float32 -> e4m3 conversion (interpret mode) turns values past 448 into NaN, so the
+    reference clips first. Triton's conversion on sm_90 is `cvt.rn.satfinite.e4m3x2.f32`, which
+    rounds and saturates in one instruction (and keeps NaN, as the reference's clip does), so the
+    compiled kernel skips the two min/max per element.
+    """
+    return jnp.clip(q, -quant.FP8_MAX, quant.FP8_MAX) if interpret else q
+
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+
+
+def _silu_by_exp2(x):
+    """silu(x) = x / (1 + exp(-x)) with exp(-x) spelled exp2(-x * log2(e)), float32.
+
+    On the GPU Triton lowers `exp2` to one `ex2.approx` (MUFU) and a multiply, where `exp` is
+    libdevice's `__nv_expf`, about 8 instructions per element: in the fused act + quant kernel
+    these were a fifth of the instructions it issues (ncu at shape A found it issue-bound). The
+    approximation's error (2 ulp of float32) is far below the bf16 rounding the activation goes
+    through next; like the other activation arithmetic it can move a result across a bf16
+    rounding boundary, which the GPU tests bound (one FP8 step, at most 1% of codes). Compiled
+    kernel only: interpret mode keeps the reference's spelling, so it stays bitwise equal to
+    the reference on the CPU.
+    """
+    return x / (1.0 + jnp.exp2(x * -LOG2E))
+
+
+# The compiled kernel's spelling of an activation, where it has its own (else
+# `moe_jax.activation.ACTIVATIONS`).
+KERNEL_ACTIVATIONS = {"silu": _silu_by_exp2}
+
+
 def _round(x, dtype, *, interpret: bool):
     """float32 `x` rounded to nearest even in `dtype`: a plain cast in Triton (`cvt.rn`), which
     XLA (interpret mode) may elide as excess precision unless told (`round_to_dtype`)."""
@@ -131,11 +207,11 @@ def _store_quantized(a, q_ref, scale_ref, group: int, *, interpret: bool):
         jnp.full(amax.shape, quant.FP8_MAX, jnp.float32),
         interpret=interpret,
     )
-    quotient = _divide(a, scale, interpret=interpret)
+    quotient = _divide_rows(a, scale, interpret=interpret)
     width = a.shape[1]
-    q_ref[:, pl.ds(group * width, width)] = jnp.clip(
-        quotient, -quant.FP8_MAX, quant.FP8_MAX
-    ).astype(q_ref.dtype)
+    q_ref[:, pl.ds(group * width, width)] = _saturate(quotient, interpret=interpret).astype(
+        q_ref.dtype
+    )
     scale_ref[:, pl.ds(group, 1)] = scale
 
 
@@ -160,7 +236,8 @@ def _act_quant_kernel(
         for group in range(scale_ref.shape[1]):  # static: the program's 128-column groups
             columns = pl.ds(group * group_size, group_size)
             gate, up = gate_ref[:, columns], up_ref[:, columns]
-            a = gated_activation(gate, up, activation, round_fn=round_fn)
+            act_fn = None if interpret else KERNEL_ACTIVATIONS.get(activation)
+            a = gated_activation(gate, up, activation, round_fn=round_fn, act_fn=act_fn)
             _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
 
     if expert_ids_ref is None:

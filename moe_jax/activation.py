@@ -65,14 +65,21 @@ def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
 
 
 def gated_activation(
-    gate: jax.Array, up: jax.Array, activation: str = "silu", *, round_fn=round_to_dtype
+    gate: jax.Array,
+    up: jax.Array,
+    activation: str = "silu",
+    *,
+    round_fn=round_to_dtype,
+    act_fn: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """act(gate) * up in up's dtype: act in float32, rounded, then the product rounded.
 
     `round_fn(x_f32, dtype)` does the roundings; kernels that round exactly with a plain cast
-    (Triton on GPU) pass their own.
+    (Triton on GPU) pass their own. `act_fn` replaces `ACTIVATIONS[activation]` for a kernel
+    that spells the activation its own way (float32 in, float32 out).
     """
-    act = round_fn(ACTIVATIONS[activation](gate.astype(jnp.float32)), up.dtype)
+    act_fn = ACTIVATIONS[activation] if act_fn is None else act_fn
+    act = round_fn(act_fn(gate.astype(jnp.float32)), up.dtype)
     return round_fn(act.astype(jnp.float32) * up.astype(jnp.float32), up.dtype)
 
 

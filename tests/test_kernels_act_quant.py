@@ -23,6 +23,7 @@ import numpy as np
 import oracles
 import pytest
 
+from moe_jax import quant
 from moe_jax.act_quant import act_and_quant_reference, group_quant_reference
 from moe_jax.kernels.act_quant import (
     COMPILED_ACTIVATIONS,
@@ -171,6 +172,71 @@ def test_group_quant_is_bitwise_the_oracle(impl, problem):
     q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x.astype(jnp.float32)))
     _assert_bitwise((q, scales), (jnp.asarray(q_ref), s_ref))
     _assert_bitwise((q, scales), _xla_reference(group_quant_reference, x))
+
+
+def _quotients_near_e4m3_ties(seed: int) -> np.ndarray:
+    """float32 [48, 256] rows whose quotients x / scale land within a few float32 ulps of e4m3
+    rounding ties (and on them), so a quotient one ulp off its correct rounding flips a code;
+    plus -0.0, subnormals, all-zero groups (scale from the 1e-10 floor), amax just above and
+    below the floor, and amax near float32's top (1e38)."""
+    rng = np.random.default_rng(seed)
+    e4m3 = np.unique(
+        np.abs(np.arange(256, dtype=np.uint8).view(quant.FP8_DTYPE).astype(np.float32))
+    )
+    e4m3 = e4m3[np.isfinite(e4m3)]
+    ties = (e4m3[:-1] + e4m3[1:]) / 2  # halfway between neighbouring codes
+    amaxes = [1.0, 3.7, 1e-3, 6.1e4, 1e-10, 1.5e-10, 7e-11, 1e38, 2.5e-30, 448.0]
+    rows = []
+    for i in range(48):
+        amax = np.float32(amaxes[i % len(amaxes)] * rng.uniform(0.5, 2.0))
+        scale = np.float32(np.maximum(amax, np.float32(1e-10)) / np.float32(448.0))
+        targets = rng.choice(ties, 127) * rng.choice([-1.0, 1.0], 127)
+        row = (targets * np.float64(scale)).astype(np.float32)
+        nudge = rng.integers(-3, 4, 127)  # a few ulps either side of each tie
+        row = np.array([np.float32(v) for v in row])
+        for _ in range(3):
+            row = np.where(nudge > 0, np.nextafter(row, np.float32(np.inf)), row)
+            row = np.where(nudge < 0, np.nextafter(row, np.float32(-np.inf)), row)
+            nudge = nudge - np.sign(nudge)
+        group = np.concatenate([[amax], np.clip(row, -amax, amax)]).astype(np.float32)
+        other = np.zeros(128, np.float32) if i % 4 == 0 else rng.permutation(group)
+        if i % 3 == 0:
+            other[:8] = [-0.0, 1e-45, -1e-40, 1.2e-38, -0.0, 0.0, 1e-44, -3e-39]
+        rows.append(np.concatenate([group, other]))
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_group_quant_divides_correctly_rounded_near_e4m3_ties(impl):
+    """The compiled kernel's division (a reciprocal per row, one FMA correction per element,
+    `_divide_rows`) against the float32 recipe where a quotient one ulp off would change a code
+    (a plain multiply by the reciprocal changes 325 of these 12288 codes): bit for bit, codes
+    and their signs (-0.0 included), and scales."""
+    x = jnp.asarray(_quotients_near_e4m3_ties(seed=11))
+    q, scales = _run_group(impl, x, config=None if impl == "reference" else ActQuantConfig())
+    q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x))
+    got_bits = np.asarray(q).view(np.uint8)
+    np.testing.assert_array_equal(got_bits, q_ref.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scales), s_ref)
+    assert np.any(got_bits == 0x80), "no -0.0 code: the sign of zero was not exercised"
+
+
+def test_kernel_silu_by_exp2_is_silu():
+    """The compiled kernel's silu spelling (exp through exp2) against float64 silu; on the CPU
+    XLA's exp2 is accurate, so this checks the formula (the GPU's ex2.approx adds up to 2 ulp,
+    which the compiled tests above bound through the FP8 codes)."""
+    from moe_jax.kernels.act_quant import KERNEL_ACTIVATIONS
+
+    x = np.concatenate(
+        [
+            np.random.default_rng(12).standard_normal(4096) * 6,
+            [0.0, -0.0, 20.0, -20.0, 88.0, -104.0],
+        ]
+    ).astype(np.float32)
+    got = np.asarray(jax.jit(KERNEL_ACTIVATIONS["silu"])(jnp.asarray(x)), np.float64)
+    want = x.astype(np.float64) / (1.0 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-37)
+    assert np.signbit(got[x.size - 5]) and got[x.size - 1] == 0.0
 
 
 TILE_CONFIGS = [
