@@ -71,31 +71,37 @@ class ActQuantConfig:
 
 
 MIN_PROGRAMS = 512  # about 4 programs per H200 multiprocessor: small calls split rows finer
+BLOCK_ROWS = 16  # rows per program of a large call
+GROUPS_PER_PROGRAM = 2  # 128-column groups per program, where the group count allows
 
 
 def heuristic_config(num_rows: int, num_groups: int = 1) -> ActQuantConfig:
-    """Up to 32 rows x 128 columns per program (8 KiB of bf16 in per operand, 4 KiB of FP8
-    out), the grid walking column groups fastest.
+    """Up to 16 rows x 2 groups of 128 columns per program (8 KiB of bf16 in per operand, 4 KiB
+    of FP8 out), the grid walking column groups fastest.
 
-    Fewer rows per program when the call has fewer than `MIN_PROGRAMS` programs of 32 rows
+    Fewer rows per program when the call has fewer than `MIN_PROGRAMS` programs of 16 rows
     (decode-size calls: 128 rows x 16 groups at T=1), so each thread quantizes fewer elements
     one after the other: a program's latency, not the bytes, bounds such a call.
 
-    H200 sweep (2026-12-02, `python -m moe_jax.cli.kernel_bench --kernels quant --sweep`, host
-    timing of back-to-back calls, BENCHMARKS.md): group-major order took act_and_quant from
-    113.8 to 111.9 us at shape A (32768 x 4096 bf16 in) and from 99.3 to 87.6 us at shape B
-    (65536 x 1536), the fastest of 11 configs at both; 16-128 rows, 2-4 groups per program and
-    8 warps were all slower there. group_quant (88 and 50 MB) and the decode sizes time at the
-    dispatch floor (36-48 us for every config), so they tell the configs apart by noise only.
+    H200 (2026-12-02, evening, after the kernel's instruction count fell by 40%; act_and_quant
+    with the layout's expert ids as the layer calls it, host timing of back-to-back calls, three
+    alternating rounds, every config bit-equal to the others; BENCHMARKS.md): 16 rows x 2 groups
+    took shape A (36832 x 4096 bf16 in) from 108.3-111.0 us (32 rows x 1 group, the previous
+    rule) to 94.7-98.9 and shape B (81792 x 1536) from 89.6-92.9 to 76.1-79.3, the fastest of
+    6 tilings at both (16 x 1: 97-103 / 80-89; 8 x 1: 106 / 87). group_quant times at the
+    dispatch floor (37-53 us) for every tiling.
 
-      >>> heuristic_config(36832, 16).block_m, heuristic_config(128, 16).block_m
-      (32, 4)
+      >>> heuristic_config(36832, 16)
+      ActQuantConfig(block_m=16, num_warps=4, groups_per_program=2, is_group_major=True)
+      >>> heuristic_config(128, 16).block_m, heuristic_config(128, 3).groups_per_program
+      (2, 1)
     """
-    rows = max(num_rows, 1)
-    block_m = min(32, _triton.next_power_of_2(rows))
-    while block_m > 1 and -(-rows // block_m) * max(num_groups, 1) < MIN_PROGRAMS:
+    rows, groups = max(num_rows, 1), max(num_groups, 1)
+    per_program = _triton.largest_power_of_2_divisor(groups, GROUPS_PER_PROGRAM)
+    block_m = min(BLOCK_ROWS, _triton.next_power_of_2(rows))
+    while block_m > 1 and -(-rows // block_m) * (groups // per_program) < MIN_PROGRAMS:
         block_m //= 2
-    return ActQuantConfig(block_m=block_m, is_group_major=True)
+    return ActQuantConfig(block_m=block_m, groups_per_program=per_program, is_group_major=True)
 
 
 def _divide(a, b, *, interpret: bool):
