@@ -248,6 +248,18 @@ def test_ll_receive_copy_is_chosen_through_its_registry():
         copies.get("some")
 
 
+def test_valid_rows_copy_config_names_a_bad_tiling():
+    from moe_jax.interop import deep_ep_ll as dep_ll
+
+    assert dep_ll.VALID_ROWS_COPY == dep_ll.ValidRowsCopyConfig(
+        block_t=4, block_w=1024, num_warps=8
+    )
+    for bad in ({"block_t": 3}, {"block_w": 0}, {"num_warps": 6}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"ValidRowsCopyConfig.{name}=.*power of two"):
+            dep_ll.ValidRowsCopyConfig(**bad)
+
+
 def test_topk_idx_words_are_int64_bytes():
     ids = np.array([[0, 5, -1], [7, 8, -3]])
     words = np.asarray(dl.topk_idx_words(jnp.asarray(ids, jnp.int32), num_experts=8))
