@@ -24,6 +24,11 @@ Command-buffer mode (`--graph`, run with XLA_FLAGS letting XLA capture custom ca
 (including calls on fresh input buffers, which XLA re-captures), with the number of DeepEP calls
 Python made while timing (0 when XLA replays its graphs), against the direct chain captured in a
 torch CUDA graph and replayed; and the whole `deep_ep_ll_moe` layer in that mode.
+
+Graph-mode timings also report a steady state per round trip: each sample times 5 and then 20
+chains back to back, and the difference over the extra chains drops the sample's fixed lead-in
+(the first chain's launch, the final wait), which a loop of many decode steps pays once.
+`--copy-sweep` times every `ValidRowsCopyConfig` of the receive copy alone (checked first).
 """
 
 from __future__ import annotations
