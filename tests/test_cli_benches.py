@@ -23,6 +23,7 @@ def test_kernel_bench_tiny_interpret_checks_every_kernel(capsys):
         "unpermute",
         "group_quant",
         "act_and_quant",
+        "act_and_quant ids",
     }
     # Interpret mode runs the kernels' arithmetic: the layouts and quantized bytes are exact.
     permutes = [line for line in out.splitlines() if line.startswith("| permute | tiny")]

@@ -82,17 +82,16 @@ DESTINATIONS_SWEEP = [
     dict(num_warps=8),
     dict(num_stages=1),
 ]
-QUANT_SWEEP = [
+QUANT_SWEEP = [  # overrides of the heuristic (16 rows x 2 groups, 4 warps, group-major)
     dict(block_m=8),
-    dict(block_m=16),
-    dict(block_m=64),
+    dict(block_m=32),
+    dict(block_m=32, groups_per_program=1),  # the heuristic before 2026-12-02, evening
+    dict(groups_per_program=1),
+    dict(block_m=8, num_warps=2, groups_per_program=1),
     dict(block_m=64, num_warps=8),
     dict(block_m=128, num_warps=8),
-    dict(groups_per_program=2),
-    dict(block_m=16, groups_per_program=2),
     dict(groups_per_program=4, num_warps=8),
-    dict(is_group_major=True),
-    dict(block_m=64, num_warps=8, groups_per_program=2, is_group_major=True),
+    dict(is_group_major=False),
 ]
 KERNEL_FAMILIES = ("permute", "destinations", "unpermute", "quant")
 UNPERMUTE_SWEEP = [
@@ -326,35 +325,55 @@ def _bench_unpermute(shape, x, ids, weights, rng, *, impl, sweep, timer, copy_gb
 
 
 def _bench_quant(shape, x, rng, *, impl, sweep, timer, copy_gbs):
-    """group_quant of the tokens [T, H] and act_and_quant of GEMM1's output [T*k, 2I]; with
-    `sweep`, the kernels with `QUANT_SWEEP`'s configs too, each checked bit for bit against
-    the heuristic config's output first (the tiling moves no arithmetic)."""
-    h = jnp.asarray(
-        rng.standard_normal((shape.num_tokens * shape.topk, 2 * shape.intermediate)), jnp.bfloat16
-    )
+    """group_quant of the tokens [T, H], act_and_quant of GEMM1's output [T*k, 2I], and
+    act_and_quant as the FP8 layer calls it ("act_and_quant ids": the same rows followed by the
+    contiguous layout's E * (alignment - 1) padding rows, with the layout's expert ids, so
+    all-padding blocks are skipped); with `sweep`, the kernels with `QUANT_SWEEP`'s configs too,
+    each checked bit for bit against the heuristic config's output first (the tiling moves no
+    arithmetic). Padding rows are unspecified, so checks compare the used rows only."""
+    used = shape.num_tokens * shape.topk
+    h = jnp.asarray(rng.standard_normal((used, 2 * shape.intermediate)), jnp.bfloat16)
+    padding = shape.num_experts * (layouts.DEFAULT_ALIGNMENT - 1)
+    h_padded = jnp.pad(h, ((0, padding), (0, 0)))
+    ids = jnp.concatenate([jnp.zeros(used, jnp.int32), jnp.full(padding, -1, jnp.int32)])
     rows = []
     cases = [
-        ("group_quant", act_quant.group_quant, kernels.group_quant, x),
-        ("act_and_quant", act_quant.act_and_quant, kernels.act_and_quant, h),
+        ("group_quant", act_quant.group_quant, kernels.group_quant, x, {}),
+        ("act_and_quant", act_quant.act_and_quant, kernels.act_and_quant, h, {}),
+        (
+            "act_and_quant ids",
+            act_quant.act_and_quant,
+            kernels.act_and_quant,
+            h_padded,
+            {"expert_ids": ids},
+        ),
     ]
-    for name, op, kernel, operand in cases:
-        front = jax.jit(functools.partial(op, impl=impl))
-        xla = jax.jit(functools.partial(op, impl="xla"))
-        heuristic = front(operand)
+    for name, op, kernel, operand, extra in cases:
+        num_used = operand.shape[0] if not extra else used
+
+        def used_rows(out, num_used=num_used):
+            return tuple(a[:num_used] for a in out)
+
+        front = jax.jit(functools.partial(op, impl=impl, **extra))
+        xla = jax.jit(functools.partial(op, impl="xla", **extra))
+        heuristic = used_rows(front(operand))
         candidates = [(f"impl={impl!r} (heuristic config)", front)]
         if sweep:
-            base = act_quant_heuristic(operand.shape[0], operand.shape[1] // 128)
+            columns = operand.shape[1] // (2 if op is act_quant.act_and_quant else 1)
+            base = act_quant_heuristic(operand.shape[0], columns // 128)
             for change in QUANT_SWEEP:
                 config = _override(base, change)
                 fn = jax.jit(
-                    functools.partial(kernel, config=config, interpret=impl == "pallas_interpret")
+                    functools.partial(
+                        kernel, config=config, interpret=impl == "pallas_interpret", **extra
+                    )
                 )
-                if _is_bit_equal(fn(operand), heuristic):
+                if _is_bit_equal(used_rows(fn(operand)), heuristic):
                     candidates.append((str(config), fn))
                 else:
                     print(f"  sweep {config}: output differs from the heuristic's, not timed")
         us, config_name, fn = _fastest(timer, candidates, operand)
-        got, want = fn(operand), xla(operand)
+        got, want = used_rows(fn(operand)), used_rows(xla(operand))
         rows.append(
             kernel_report.row(
                 name,
@@ -362,7 +381,7 @@ def _bench_quant(shape, x, rng, *, impl, sweep, timer, copy_gbs):
                 "bf16->fp8",
                 us=us,
                 xla_us=timer.us(xla, operand),
-                moved=_nbytes(operand, *got),
+                moved=_nbytes(operand[:num_used], *got),
                 copy_gbs=copy_gbs,
                 check="exact" if _is_bit_equal(got, want) else "differs from xla",
                 config=config_name,
