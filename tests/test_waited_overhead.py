@@ -1,0 +1,42 @@
+"""scripts/waited_overhead.py (what a waited-for call costs beyond a streamed one) on a tiny size:
+every program measured, the overhead the difference of the two figures, the JSON written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "waited_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("waited_overhead", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_rows_and_json(script, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert script.main(["--size", "32", "--samples", "2", "--burst", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    programs = [row["program"] for row in rows]
+    assert programs[:2] == ["jax matmul 32^3 bf16", "jax chain of 20 elementwise passes"]
+    for row in rows:
+        assert row["streamed_us"] > 0 and row["waited_us"] > 0
+        assert row["overhead_us"] == pytest.approx(row["waited_us"] - row["streamed_us"])
+    table = capsys.readouterr().out
+    assert "| jax matmul 32^3 bf16 |" in table and "overhead us" in table
+
+
+def test_bad_arguments_name_the_argument(script, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["--samples", "0"])
+    assert "args.samples=0" in capsys.readouterr().err
