@@ -23,46 +23,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from moe_jax.cli.timing import time_calls
+
 CHAIN_LENGTH = 20  # elementwise passes of the "jax chain" program
 
 
-def waited_us(call: Callable[[], Any], wait: Callable[[Any], None], samples: int) -> float:
-    """Median microseconds of one call waited for (after 3 warm-up calls)."""
-    for _ in range(3):
-        wait(call())
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        wait(call())
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
-
-
-def streamed_us(
-    call: Callable[[], Any], wait: Callable[[Any], None], samples: int, burst: int
-) -> float:
-    """Median microseconds per call of `burst` back-to-back calls and one wait."""
-    for _ in range(2):
-        wait(call())
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        result = None
-        for _ in range(burst):
-            result = None  # let the previous result's buffer be reused
-            result = call()
-        wait(result)
-        times.append((time.perf_counter() - start) * 1e6 / burst)
-    return statistics.median(times)
+def _row(
+    name: str, call: Callable[[], Any], wait: Callable[[Any], None], samples: int, burst: int
+) -> dict:
+    """streamed, waited and overhead microseconds of `call` (`moe_jax.cli.timing.time_calls`:
+    `samples` single waited calls, then `samples` samples of `burst` back-to-back calls)."""
+    timing = time_calls(call, wait=wait, samples=samples, burst=burst, latency_samples=samples)
+    streamed, waited = timing.streamed_ms * 1e3, timing.latency_ms * 1e3
+    return {
+        "program": name,
+        "streamed_us": streamed,
+        "waited_us": waited,
+        "overhead_us": waited - streamed,
+    }
 
 
 def _poll(result: jax.Array) -> None:
@@ -85,19 +70,10 @@ def measure(size: int, samples: int, burst: int) -> list[dict]:
         (f"jax matmul {size}^3 bf16", lambda: matmul(x)),
         (f"jax chain of {CHAIN_LENGTH} elementwise passes", lambda: chain(v)),
     ]
-    rows = []
-    for name, call in programs:
-        streamed = streamed_us(call, jax.block_until_ready, samples, burst)
-        waited = waited_us(call, jax.block_until_ready, samples)
-        rows.append(
-            {
-                "program": name,
-                "streamed_us": streamed,
-                "waited_us": waited,
-                "overhead_us": waited - streamed,
-                "waited_polling_us": waited_us(call, _poll, samples),
-            }
-        )
+    rows = [_row(name, call, jax.block_until_ready, samples, burst) for name, call in programs]
+    for row, (_, call) in zip(rows, programs, strict=True):
+        polled = time_calls(call, wait=_poll, samples=1, latency_samples=samples)
+        row["waited_polling_us"] = polled.latency_ms * 1e3
     try:
         import torch
     except ImportError:
@@ -109,16 +85,7 @@ def measure(size: int, samples: int, burst: int) -> list[dict]:
     def sync(_):
         torch.cuda.synchronize()
 
-    streamed = streamed_us(lambda: tx @ tx, sync, samples, burst)
-    waited = waited_us(lambda: tx @ tx, sync, samples)
-    rows.append(
-        {
-            "program": f"torch matmul {size}^3 bf16",
-            "streamed_us": streamed,
-            "waited_us": waited,
-            "overhead_us": waited - streamed,
-        }
-    )
+    rows.append(_row(f"torch matmul {size}^3 bf16", lambda: tx @ tx, sync, samples, burst))
     return rows
 
 
