@@ -15,9 +15,11 @@ was spent (BENCHMARKS.md, "Prefill").
     python -m moe_jax.cli.kernel_sass [--kernels act_and_quant group_quant permute_fp8
         unpermute grouped_gemm_decode] [--top 12] [--keep DIR]
 
-The Triton IR comes from the installed jaxlib and is compiled by the installed triton; the
-counts are those of that pair (on the GPU host: jax 0.11.2 and triton 3.6.0, the versions XLA
-itself uses there).
+The Triton IR comes from the installed jaxlib and is compiled by the installed `triton`
+package; the counts are those of that pair. XLA compiles Pallas kernels with its own copy of
+Triton (inside jaxlib), whose passes can choose differently (for instance which matrix
+instruction a dot becomes): treat the counts as a guide and confirm on the GPU (XLA's dumped
+PTX, ncu) before acting on them.
 """
 
 from __future__ import annotations
