@@ -23,11 +23,14 @@ row block's x rows stay in L2 across its column tiles while the weights stream);
 takes columns first for FP8, where x outgrows L2 from a few dozen tokens.
 
 Pallas Triton lowers FP8 dots on sm_90 (H200, jax 0.11.2), and the heuristic feeds FP8 tiles to
-the dot as vLLM's Triton kernel does (`GroupedGemmConfig.is_fp8_dot`); Hopper's FP8 MMA sums a
-128-wide K block with fewer than float32's bits before the per-block scales apply in float32.
-With `is_fp8_dot=False` the tiles are upcast to bf16 in-kernel instead (exact: e4m3 values are
-bf16 values), so each block is exact products summed in float32, at the cost of converting
-every weight element (slower on the H200: see `heuristic_config`).
+the dot as vLLM's Triton kernel does (`GroupedGemmConfig.is_fp8_dot`). Pallas asks Triton for
+exact accumulation of those dots, so Triton upcasts the tiles to half precision for `mma.sync`
+(read offline from the SASS, `python -m moe_jax.cli.kernel_sass`; not yet confirmed on the
+H200). `is_fp8_wgmma` lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
+128-wide K block with fewer than float32's bits before the per-block scales apply in float32
+(`kernels/_fp8_dot.py`; off until timed). With `is_fp8_dot=False` the tiles are upcast to bf16
+in-kernel instead (exact: e4m3 values are bf16 values), at the cost of converting every weight
+element in the kernel's own code (slower on the H200: see `heuristic_config`).
 Padding rows of the output are unspecified, as the `GroupedGemm` contract allows; nothing is read
 or written out of bounds.
 """
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from moe_jax import grouped_gemm, quant
-from moe_jax.kernels import _triton, _wide_offsets
+from moe_jax.kernels import _fp8_dot, _triton, _wide_offsets
 
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
@@ -72,6 +75,12 @@ class GroupedGemmConfig:
       is_column_major: launch the grid column tiles first, so the N tiles of one row block run
         together and share its x rows through L2 (else row blocks first: x is streamed once
         per column tile, from DRAM once it outgrows L2).
+      is_fp8_wgmma: let Triton run the FP8 dots on Hopper's FP8 wgmma, whose accumulator sums
+        each 128-wide K block with less precision than float32 before the kernel scales it and
+        adds it in float32 (DeepGEMM's and vLLM's recipe; `kernels/_fp8_dot.py`). Without it
+        Pallas' lowering asks for exact accumulation and Triton upcasts the FP8 tiles to half
+        precision for `mma.sync` (seen offline with `python -m moe_jax.cli.kernel_sass`).
+        Needs `is_fp8_dot` and FP8 operands. Off until timed on the H200.
     """
 
     block_m: int = 16
@@ -82,6 +91,7 @@ class GroupedGemmConfig:
     is_transposed: bool = False
     is_fp8_dot: bool = False
     is_column_major: bool = False
+    is_fp8_wgmma: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -95,6 +105,11 @@ class GroupedGemmConfig:
                 )
         if self.num_stages < 1:
             raise ValueError(f"GroupedGemmConfig.num_stages={self.num_stages} but >= 1 is needed")
+        if self.is_fp8_wgmma and not self.is_fp8_dot:
+            raise ValueError(
+                "GroupedGemmConfig.is_fp8_wgmma=True needs is_fp8_dot=True (FP8 tiles fed to the "
+                "dot as they are)"
+            )
 
 
 def heuristic_config(
@@ -353,6 +368,14 @@ def grouped_gemm_contiguous(
     )
     grid = (padded_rows // config.block_m, n // config.block_n)
     operands = (expert_ids, x, x_scales, w, w_scales) if has_scales else (expert_ids, x, w)
+    name = (
+        f"grouped_gemm_{config.block_m=}_{config.block_n=}_{config.block_k=}"
+        f"_{config.num_warps=}_{config.num_stages=}_{config.is_transposed=}"
+        f"_{config.is_fp8_dot=}_{is_packed=}_{config.is_column_major=}_{config.is_fp8_wgmma=}"
+    )
+    if config.is_fp8_wgmma and not interpret:
+        # Each dot is one block_k-wide K block, scaled and summed in float32 right after.
+        _fp8_dot.allow_imprecise_accumulation(name, config.block_k)
     with _triton.quiet_triton_deprecation():
         y = pl.pallas_call(
             kernel,
@@ -362,9 +385,7 @@ def grouped_gemm_contiguous(
             compiler_params=_triton.compiler_params(
                 num_warps=config.num_warps, num_stages=config.num_stages
             ),
-            name=f"grouped_gemm_{config.block_m=}_{config.block_n=}_{config.block_k=}"
-            f"_{config.num_warps=}_{config.num_stages=}_{config.is_transposed=}"
-            f"_{config.is_fp8_dot=}_{is_packed=}_{config.is_column_major=}",
+            name=name,
         )(*operands)
     return y[:num_rows]
 
@@ -380,6 +401,8 @@ def _check_config(config: GroupedGemmConfig, *, n: int, k: int, alignment: int, 
         raise ValueError(
             f"{config.block_n=} and {config.block_k=} must divide {SCALE_BLOCK} (FP8 block scales)"
         )
+    if config.is_fp8_wgmma and not is_fp8:
+        raise ValueError(f"{config.is_fp8_wgmma=} but the operands are not FP8 with block scales")
 
 
 def grouped_gemm_contiguous_reference(

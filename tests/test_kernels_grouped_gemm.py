@@ -146,6 +146,10 @@ CONFIGS = [
     gg.GroupedGemmConfig(block_m=32, block_n=128, is_transposed=True),
     gg.GroupedGemmConfig(block_m=16, block_n=64, block_k=64, is_fp8_dot=True),
     gg.GroupedGemmConfig(block_m=32, block_n=128, is_transposed=True, is_column_major=True),
+    # Hopper's FP8 wgmma (kernels/_fp8_dot.py): on the GPU, held to the FP8-dot tolerance.
+    gg.GroupedGemmConfig(
+        block_m=32, block_n=128, is_transposed=True, is_fp8_dot=True, is_fp8_wgmma=True
+    ),
 ]
 
 

@@ -149,6 +149,10 @@ def sweep_one(
         config = dataclasses.replace(heuristic, **changes)
         if config != heuristic and w.shape[1] % config.block_n == 0:
             configs.setdefault(_describe(config), config)
+    if heuristic.is_fp8_dot and w.dtype == quant.FP8_DTYPE:
+        # The heuristic's tiles on Hopper's FP8 wgmma (`GroupedGemmConfig.is_fp8_wgmma`).
+        wgmma = dataclasses.replace(heuristic, is_fp8_wgmma=True)
+        configs.setdefault(_describe(wgmma), wgmma)
 
     def run(config):
         return jax.jit(
@@ -194,6 +198,7 @@ def _describe(config: Any) -> str:
         f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
         f"s{config.num_stages}{' T' if config.is_transposed else ''}"
         f"{' cols first' if config.is_column_major else ''}"
+        f"{' fp8 wgmma' if config.is_fp8_wgmma else ''}"
     )
 
 

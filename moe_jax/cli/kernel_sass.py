@@ -65,7 +65,8 @@ class SassSummary:
 def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     """Kernel name -> a builder of (function, abstract arguments) at a layer's size: shape A's
     act*up + quantize (36832 x 4096 bf16 with expert ids) and token quantization (4096 x 7168),
-    its FP8 permute, its unpermute, and the decode grouped GEMM1 of DeepSeek-V3 at T=8."""
+    its FP8 permute, its unpermute, and the decode grouped GEMM1 of DeepSeek-V3 at T=8 and
+    T=2048 (the latter also with `GroupedGemmConfig.is_fp8_wgmma`)."""
     # The modules, not the functions `moe_jax.kernels` exports under the same names.
     act_quant = importlib.import_module("moe_jax.kernels.act_quant")
     grouped_gemm = importlib.import_module("moe_jax.kernels.grouped_gemm")
@@ -102,20 +103,29 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
             spec((4096, 8), jnp.float32),
         )
 
-    def gemm_decode():
-        rows, experts, n, k = 1024, 256, 4096, 7168  # T=8: 64 pairs in 16-row segments
+    def gemm(rows, alignment, *, wgmma=False):
+        """DeepSeek-V3's GEMM1 on a contiguous layout of `rows` rows, the heuristic's tiles
+        (with `is_fp8_wgmma` set when `wgmma`)."""
+        experts, n, k = 256, 4096, 7168
+        config = grouped_gemm.heuristic_config(
+            num_rows=rows, num_experts=experts, n=n, k=k, alignment=alignment, is_fp8=True
+        )
+        config = dataclasses.replace(config, is_fp8_wgmma=wgmma)
 
         def fn(x, w, ids, xs, ws):
             return grouped_gemm.grouped_gemm_contiguous(
-                x, w, ids, x_scales=xs, w_scales=ws, alignment=16
+                x, w, ids, x_scales=xs, w_scales=ws, alignment=alignment, config=config
             )
 
-        return fn, (
-            spec((rows, k), jnp.float8_e4m3fn),
-            spec((experts, n, k), jnp.float8_e4m3fn),
-            spec((rows,), jnp.int32),
-            spec((rows, k // 128), jnp.float32),
-            spec((experts, n // 128, k // 128), jnp.float32),
+        return lambda: (
+            fn,
+            (
+                spec((rows, k), jnp.float8_e4m3fn),
+                spec((experts, n, k), jnp.float8_e4m3fn),
+                spec((rows,), jnp.int32),
+                spec((rows, k // 128), jnp.float32),
+                spec((experts, n // 128, k // 128), jnp.float32),
+            ),
         )
 
     return {
@@ -123,11 +133,22 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         "group_quant": group,
         "permute_fp8": permute_fp8,
         "unpermute": unpermute_bf16,
-        "grouped_gemm_decode": gemm_decode,
+        # T=8 (16-row segments), T=2048 (64-row segments), and T=2048 on FP8 wgmma
+        "grouped_gemm_decode": gemm(1024, 16),
+        "grouped_gemm_2048": gemm(32512, 64),
+        "grouped_gemm_2048_wgmma": gemm(32512, 64, wgmma=True),
     }
 
 
-KERNELS = ("act_and_quant", "group_quant", "permute_fp8", "unpermute", "grouped_gemm_decode")
+KERNELS = (
+    "act_and_quant",
+    "group_quant",
+    "permute_fp8",
+    "unpermute",
+    "grouped_gemm_decode",
+    "grouped_gemm_2048",
+    "grouped_gemm_2048_wgmma",
+)
 _MODULE_START = re.compile(r"^module @")
 _LOCATION = re.compile(r'( \[unknown\]| "[^"]*"\(#loc\d*\)| loc\([^)]*\))')
 
