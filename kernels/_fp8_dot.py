@@ -15,7 +15,10 @@ the sum reaches a float32 accumulator. A kernel whose dots span one 128-wide K b
 results are scaled and summed in float32 right after (the grouped GEMM's FP8 path) then
 computes DeepGEMM's and vLLM's recipe. Other kernels and other dots lower as before: the patch
 of the lowering (installed on first use, once per process) reads the name of the kernel being
-lowered and changes nothing for names that were not registered.
+lowered and changes nothing for names that were not registered. While a registered kernel's
+dot lowers, the patch swaps the lowering module's `tt_dialect` for a wrapper; JAX lowers Pallas
+kernels on the calling thread, so two threads lowering Pallas kernels at that very moment could
+see it (the other thread's FP8 dots would get the attribute too).
 """
 
 from __future__ import annotations
