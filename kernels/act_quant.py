@@ -239,10 +239,10 @@ def _act_quant_kernel(
 
     def compute():
         round_fn = functools.partial(_round, interpret=interpret)
+        act_fn = None if interpret else KERNEL_ACTIVATIONS.get(activation)
         for group in range(scale_ref.shape[1]):  # static: the program's 128-column groups
             columns = pl.ds(group * group_size, group_size)
             gate, up = gate_ref[:, columns], up_ref[:, columns]
-            act_fn = None if interpret else KERNEL_ACTIVATIONS.get(activation)
             a = gated_activation(gate, up, activation, round_fn=round_fn, act_fn=act_fn)
             _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -332,89 +333,76 @@ def steady_streamed(fn, wait, samples: int, round_trips: int) -> tuple[float, fl
     return statistics.median(shorts), statistics.median(steadies)
 
 
-def time_copy_configs(args, buffer, torch) -> dict:
-    """The "valid_rows" receive copy alone, per `ValidRowsCopyConfig`: after one direct DeepEP
-    dispatch, each tiling copies its received tensors into buffers shaped like XLA's, is checked
-    against the source (valid rows, scales, counts, src_info, layout), then timed as 50 copies
-    captured in one torch CUDA graph (median of `args.samples` replays), so host launch time is
-    not measured."""
-    p = dl.DeepEPProblem(
-        num_ranks=1,
-        rank=0,
-        num_experts=args.experts,
-        num_tokens=args.tokens,
-        hidden=args.hidden,
-        num_topk=args.topk,
-    )
+COPY_SWEEP = tuple(
+    dep_ll.ValidRowsCopyConfig(block_t=t, block_w=w, num_warps=nw)
+    for t, w, nw in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))
+)
+COPIES_PER_GRAPH = 50
+
+
+def _copy_name(config) -> str:
+    return f"t{config.block_t}_w{config.block_w}_nw{config.num_warps}"
+
+
+def _copied_exactly(out, received, torch) -> bool:
+    """XLA-shaped buffers `out` hold `received`'s counts and layout, and each expert's rows,
+    scales and src_info below its count, bit for bit (`_copy_valid_rows`' contract)."""
+    count, rows, scales, info, layout = received
+    ok = bool((out[2] == count).all() and (out[4] == layout).all())
+    for e in range(count.shape[0]):
+        m = int(count[e])
+        ok &= bool((out[0][e, :m].view(torch.uint8) == rows[e, :m].view(torch.uint8)).all())
+        ok &= bool((out[1][e, :, :m] == scales[e, :, :m]).all())
+        ok &= bool((out[3][e, :m] == info[e, :m]).all())
+    return ok
+
+
+def time_copy_configs(args, problem, buffer, torch) -> dict:
+    """The "valid_rows" receive copy alone, per `ValidRowsCopyConfig` of `COPY_SWEEP`: after one
+    direct DeepEP dispatch, each tiling copies its received tensors into buffers shaped like
+    XLA's, is checked against the source (`_copied_exactly`), then timed as COPIES_PER_GRAPH
+    copies captured in one torch CUDA graph (median of `args.samples` replays), so host launch
+    time is not measured."""
     x, _, tw, ids = make_problem(args, 3)
     ids_t = torch.from_dlpack(ids).to(torch.int64)
     (rows, scales), count, handle, _, _ = buffer.low_latency_dispatch(
-        torch.from_dlpack(x),
-        ids_t,
-        p.num_tokens,
-        p.num_experts,
-        use_fp8=True,
+        torch.from_dlpack(x), ids_t, problem.num_tokens, problem.num_experts, use_fp8=True
     )
-    scales = scales.transpose(1, 2)
-    received = (count, rows, scales, handle[0], handle[1].view(torch.int32))
-    out = [
-        torch.empty_like(rows),
-        torch.empty(scales.shape, dtype=scales.dtype, device=rows.device),
-        torch.empty_like(count),
-        torch.empty_like(handle[0]),
-        torch.empty_like(handle[1].view(torch.int32)),
-    ]
-    n = int(count.sum())
-    results = {"valid_rows": n, "configs": {}}
+    received = (count, rows, scales.transpose(1, 2), handle[0], handle[1].view(torch.int32))
+    out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in received]
+    out = [out[1], out[2], out[0], out[3], out[4]]  # `LLDispatched`'s leaf order
+    results = {"valid_rows": int(count.sum()), "configs": {}}
     stream = torch.cuda.Stream()
-    for block_t in (1, 2, 4, 8):
-        for block_w in (512, 1024, 2048):
-            for num_warps in (2, 4, 8):
-                config = dep_ll.ValidRowsCopyConfig(
-                    block_t=block_t, block_w=block_w, num_warps=num_warps
-                )
-                for o in out:
-                    o.zero_()
+    for config in COPY_SWEEP:
+        for o in out:
+            o.zero_()
+        dep_ll._copy_valid_rows(out, received, config)
+        torch.cuda.synchronize()
+        check(f"copy_valid_rows[{_copy_name(config)}]", _copied_exactly(out, received, torch))
+        with torch.cuda.stream(stream):
+            dep_ll._copy_valid_rows(out, received, config)  # warm-up off the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(COPIES_PER_GRAPH):
                 dep_ll._copy_valid_rows(out, received, config)
-                torch.cuda.synchronize()
-                ok = bool((out[2] == count).all() and (out[4] == received[4]).all())
-                for e in range(count.shape[0]):
-                    m = int(count[e])
-                    ok &= bool(
-                        (out[0][e, :m].view(torch.uint8) == rows[e, :m].view(torch.uint8)).all()
-                    )
-                    ok &= bool((out[1][e, :, :m] == scales[e, :, :m]).all())
-                    ok &= bool((out[3][e, :m] == handle[0][e, :m]).all())
-                name = f"t{block_t}_w{block_w}_nw{num_warps}"
-                check(f"copy_valid_rows[{name}]", ok)
-                with torch.cuda.stream(stream):
-                    dep_ll._copy_valid_rows(out, received, config)  # warm-up off the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    for _ in range(50):
-                        dep_ll._copy_valid_rows(out, received, config)
-                times = []
-                for _ in range(args.samples):
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3 / 50)
-                results["configs"][name] = round(statistics.median(times), 3)
-                del graph
+        times = []
+        for _ in range(args.samples):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / COPIES_PER_GRAPH)
+        results["configs"][_copy_name(config)] = round(statistics.median(times), 3)
+        del graph
     # Pair the dispatch with a combine, so DeepEP's two LL buffers alternate as before.
     zeros = torch.zeros(rows.shape, dtype=torch.bfloat16, device=rows.device)
     buffer.low_latency_combine(zeros, ids_t, torch.from_dlpack(tw), handle)
     torch.cuda.synchronize()
     best = min(results["configs"], key=results["configs"].get)
     results["best"], results["best_us"] = best, results["configs"][best]
-    default = dep_ll.VALID_ROWS_COPY
-    results["default_us"] = results["configs"][
-        f"t{default.block_t}_w{default.block_w}_nw{default.num_warps}"
-    ]
+    results["default_us"] = results["configs"][_copy_name(dep_ll.VALID_ROWS_COPY)]
     return results
 
 
@@ -624,7 +612,9 @@ def main() -> int:
             steps.append(
                 (
                     "copy_sweep",
-                    lambda: report(timing="copy", **time_copy_configs(args, buffer, torch)),
+                    lambda: report(
+                        timing="copy", **time_copy_configs(args, problem, buffer, torch)
+                    ),
                 )
             )
         if not (args.quick or args.skip_eager_timing):

@@ -23,6 +23,10 @@ def test_each_kernel_lowers_to_clean_triton_modules(kernel):
         assert module.num_warps in (1, 2, 4, 8, 16) and module.num_stages >= 1
 
 
+def test_kernels_lists_every_builder():
+    assert kernel_sass.KERNELS == tuple(kernel_sass._kernel_calls())
+
+
 def test_main_prints_a_row_per_pallas_call(capsys):
     assert kernel_sass.main(["--kernels", "group_quant", "act_and_quant"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
