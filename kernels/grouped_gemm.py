@@ -25,12 +25,13 @@ takes columns first for FP8, where x outgrows L2 from a few dozen tokens.
 Pallas Triton lowers FP8 dots on sm_90 (H200, jax 0.11.2), and the heuristic feeds FP8 tiles to
 the dot as vLLM's Triton kernel does (`GroupedGemmConfig.is_fp8_dot`). Pallas asks Triton for
 exact accumulation of those dots, so Triton upcasts the tiles to half precision for `mma.sync`
-(read offline from the SASS, `python -m moe_jax.cli.kernel_sass`; not yet confirmed on the
-H200). `is_fp8_wgmma` lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
+(read offline from the SASS, `python -m moe_jax.cli.kernel_sass`). `is_fp8_wgmma`, which the
+heuristic sets for FP8, lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
 128-wide K block with fewer than float32's bits before the per-block scales apply in float32
-(`kernels/_fp8_dot.py`; off until timed). With `is_fp8_dot=False` the tiles are upcast to bf16
-in-kernel instead (exact: e4m3 values are bf16 values), at the cost of converting every weight
-element in the kernel's own code (slower on the H200: see `heuristic_config`).
+(`kernels/_fp8_dot.py`; on the H200 4-31% faster at T=512..2048, DeepSeek-V3 shapes).
+With `is_fp8_dot=False` the tiles are upcast to bf16 in-kernel instead (exact: e4m3 values are
+bf16 values), at the cost of converting every weight element in the kernel's own code (slower on
+the H200: see `heuristic_config`).
 Padding rows of the output are unspecified, as the `GroupedGemm` contract allows; nothing is read
 or written out of bounds.
 """
@@ -50,6 +51,7 @@ from moe_jax.kernels import _fp8_dot, _triton, _wide_offsets
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
 SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which the heuristic takes [16, 64] tiles
+WGMMA_ROWS = 64  # rows of one warpgroup's Hopper wgmma: block_m from which FP8 runs untransposed
 MAX_ALIGNMENT = 64  # widest segment multiple `PallasGemm.layout_alignment` asks for (block_m cap)
 # Layout rows from which the FP8 heuristic launches column tiles first: H200 sweep of 2026-12-02
 # (DeepSeek-V3): 1024 rows (T=8) and more are faster columns first, 128 rows (T=1) rows first
@@ -80,7 +82,8 @@ class GroupedGemmConfig:
         adds it in float32 (DeepGEMM's and vLLM's recipe; `kernels/_fp8_dot.py`). Without it
         Pallas' lowering asks for exact accumulation and Triton upcasts the FP8 tiles to half
         precision for `mma.sync` (seen offline with `python -m moe_jax.cli.kernel_sass`).
-        Needs `is_fp8_dot` and FP8 operands. Off until timed on the H200.
+        Needs `is_fp8_dot` and FP8 operands. The heuristic turns it on for FP8 (H200 timings in
+        `heuristic_config`).
     """
 
     block_m: int = 16
@@ -120,32 +123,38 @@ def heuristic_config(
     block_m is the largest power of two <= `MAX_ALIGNMENT` dividing the alignment and at most the
     mean segment length (M / E rounded up to a power of two, at least 16). FP8 feeds the dot
     directly (upcasting each weight element costs more ALU time than the memory stream leaves, H200
-    sweep of 2026-12-01 in BENCHMARKS.md). Short segments take [16, 64] tiles (more programs to
-    stream the weights; 6 pipeline stages for FP8, the only dtype swept); longer ones [., 128]
-    tiles computed transposed, so the weight rows fill the large side of Hopper's wgmma (FP8: 5
-    stages up to 32 mean rows, 3 above). FP8 launches the grid column tiles first
-    (`GroupedGemmConfig.is_column_major`) from `COLUMN_MAJOR_MIN_ROWS` layout rows: x outgrows
-    L2 from about T=32 on DeepSeek-V3, and row blocks first would stream it from DRAM once per
-    column tile.
+    sweep of 2026-12-01 in BENCHMARKS.md) and on Hopper's FP8 wgmma (`is_fp8_wgmma`: the exact
+    accumulation Pallas asks for by default runs on mma.sync with both tiles upcast to half
+    precision, 4-31% slower on the H200 at T=512..2048, 2026-12-02 22-23 UTC). Short segments
+    take [16, 64] tiles (more programs to stream the weights; 6 pipeline stages for FP8, the only
+    dtype swept); longer ones [., 128] tiles computed transposed while block_m < 64, so the
+    weight rows fill the large side of Hopper's wgmma (FP8: 5 stages up to 32 mean rows, 3
+    above); from block_m 64 on the x rows fill it themselves and the [64, 128] tile runs as it
+    is with 4 stages (FP8 at T=2048: GEMM1 2426 vs 2566 us, GEMM2 1186 vs 1406 us transposed).
+    FP8 launches the grid column tiles first (`GroupedGemmConfig.is_column_major`) from
+    `COLUMN_MAJOR_MIN_ROWS` layout rows: x outgrows L2 from about T=32 on DeepSeek-V3, and row
+    blocks first would stream it from DRAM once per column tile.
     `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02, night,
     DeepSeek-V3 FP8 shapes, T=32..1024) columns first is 8-18% faster for every GEMM and T, and
     these choices are within 2.5% of the fastest of 22 candidates (GEMM2 at T=128: 934 vs 919
-    us), BENCHMARKS.md.
+    us); with FP8 wgmma (T=1024, 2048) within 1% of the fastest, BENCHMARKS.md.
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_cap = min(MAX_ALIGNMENT, mean_rows)
     block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, block_cap))
     is_long = mean_rows > SHORT_SEGMENT_ROWS
+    fills_wgmma = block_m >= WGMMA_ROWS
     block_n = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(n, 128 if is_long else 64))
     block_k = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(k, 128))
     return GroupedGemmConfig(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
-        num_stages=_stages(mean_rows, is_fp8=is_fp8),
-        is_transposed=is_long or not is_fp8,
+        num_stages=4 if is_fp8 and fills_wgmma else _stages(mean_rows, is_fp8=is_fp8),
+        is_transposed=(is_long and not fills_wgmma) or not is_fp8,
         is_fp8_dot=is_fp8,
         is_column_major=is_fp8 and num_rows >= COLUMN_MAJOR_MIN_ROWS,
+        is_fp8_wgmma=is_fp8,
     )
 
 

@@ -162,7 +162,12 @@ class GroupedGemm(abc.ABC):
 # With one multiply-add per element for the block scales and segments of 32 rows from 17 pairs
 # per expert (`PallasGemm.layout_alignment`), 2026-12-02 (13-16 UTC session), one call:
 # 32 (T=1024): 4123 vs 4246; 64 (T=2048): 6270 vs 4702. The crossover moves to 32.
-PALLAS_MAX_PAIRS_PER_EXPERT = 32
+# With Hopper's FP8 wgmma in the Pallas kernel (`GroupedGemmConfig.is_fp8_wgmma`), 2026-12-02
+# 22-23 UTC, one call: 1/32: 123 vs 166; 1/4: 645 vs 892; 1: 1813 vs 3048; 4: 2616 vs 3767;
+# 16: 3095 vs 3991; 32: 3288 vs 4270; 48: 3418 vs 4525; 64: 4334 vs 4742 (before the [64, 128]
+# untransposed tiles of `heuristic_config`). Pallas wins at every T measured: the crossover
+# moves to 64.
+PALLAS_MAX_PAIRS_PER_EXPERT = 64
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:

@@ -150,9 +150,10 @@ def sweep_one(
         if config != heuristic and w.shape[1] % config.block_n == 0:
             configs.setdefault(_describe(config), config)
     if heuristic.is_fp8_dot and w.dtype == quant.FP8_DTYPE:
-        # The heuristic's tiles on Hopper's FP8 wgmma (`GroupedGemmConfig.is_fp8_wgmma`).
-        wgmma = dataclasses.replace(heuristic, is_fp8_wgmma=True)
-        configs.setdefault(_describe(wgmma), wgmma)
+        # The heuristic's tiles with the other FP8 accumulation (`GroupedGemmConfig.is_fp8_wgmma`:
+        # Hopper's FP8 wgmma, or exact accumulation through mma.sync).
+        other = dataclasses.replace(heuristic, is_fp8_wgmma=not heuristic.is_fp8_wgmma)
+        configs.setdefault(_describe(other), other)
 
     def run(config):
         return jax.jit(
@@ -198,7 +199,7 @@ def _describe(config: Any) -> str:
         f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
         f"s{config.num_stages}{' T' if config.is_transposed else ''}"
         f"{' cols first' if config.is_column_major else ''}"
-        f"{' fp8 wgmma' if config.is_fp8_wgmma else ''}"
+        f"{' fp8 wgmma' if config.is_fp8_wgmma else ' exact acc' if config.is_fp8_dot else ''}"
     )
 
 
