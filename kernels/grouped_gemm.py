@@ -458,16 +458,22 @@ class PallasGemm(grouped_gemm.GroupedGemm):
         self.config = config
 
     def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
-        """16 rows up to 16 mean pairs per expert, 32 up to 32, then 64 (`MAX_ALIGNMENT`).
+        """The power of two at least twice the mean pairs per expert, within [16, 64]: 16 rows
+        up to 8 mean pairs per expert, 32 up to 16, then 64 (`MAX_ALIGNMENT`).
 
         Wider segments let a row block of 32 or 64 rows stream each weight tile once for more
-        rows (fewer re-reads through L2, larger dots) at the cost of more padding rows. H200,
-        2026-12-02, DeepSeek-V3 FP8 layer (`experts="pallas"`): T=768 (24 pairs per expert)
-        3134 us with 32-row segments against 3705-3710 with 16; T=1024 (32) 4123 against 4423;
-        T=2048 (64) 6270 with 64 against 6522 with 32 (BENCHMARKS.md, "Decode-size layers").
+        rows (fewer re-reads through L2, larger dots) at the cost of more padding rows. Twice the
+        mean because routed counts scatter around it: with segments of the mean, about half the
+        experts spill into a second row block that streams the weights again. H200, DeepSeek-V3
+        FP8, 2026-12-02: layer (`experts="pallas"`) T=768 (24 pairs per expert) 3134 us with
+        32-row segments against 3705-3710 with 16; T=1024 (32) 4123 against 4423; T=2048 (64)
+        6270 with 64 against 6522 with 32 (BENCHMARKS.md, "Decode-size layers"). With FP8 wgmma
+        (22-23 UTC, `python -m moe_jax.cli.gemm_sweep`, GEMM1 + GEMM2): T=512 (16) 2840 us with
+        32 against 3078 with 16; T=1024 (32) 3046 with 64 against 3180 with 32.
         """
         pairs_per_expert = -(-problem.num_pairs // max(problem.num_experts, 1))
-        return min(MAX_ALIGNMENT, max(self.alignment, _triton.next_power_of_2(pairs_per_expert)))
+        wanted = _triton.next_power_of_2(2 * pairs_per_expert)
+        return min(MAX_ALIGNMENT, max(self.alignment, wanted))
 
     def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
         if not self.interpret and problem.platform != "gpu":

@@ -176,7 +176,7 @@ def _preference(problem: GemmProblem) -> tuple[str, ...]:
     GPU: DeepGEMM (FP8 and bf16 grouped GEMMs at 1.2+ PFLOPS on the H200), torch's grouped GEMM,
     JAX's Mosaic GPU ragged dot, the Pallas grouped GEMM, then the XLA block loop. With FP8
     weights and few rows per expert (decode) the Pallas grouped GEMM goes first: it pads segments
-    to 16-32 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
+    to 16-64 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
     only, so bf16 keeps the general order). Elsewhere the XLA loop only: the torch backend runs on
     the CPU as the twin of its GPU path for tests, not to be fast.
     """
