@@ -68,6 +68,18 @@ CANDIDATES = tuple(
         (128, 128, 8, 4, True),
         (128, 64, 4, 6, True),
     )
+) + tuple(
+    # 128-row blocks (two warpgroups' wgmma rows), for layouts of 128-row segments (--alignment).
+    dict(
+        block_m=128,
+        block_n=128,
+        block_k=128,
+        num_warps=warps,
+        num_stages=stages,
+        is_transposed=False,
+        is_column_major=True,
+    )
+    for warps, stages in ((8, 3), (8, 4), (4, 3))
 )
 
 
@@ -147,7 +159,8 @@ def sweep_one(
     configs = {"heuristic": heuristic}
     for changes in CANDIDATES:
         config = dataclasses.replace(heuristic, **changes)
-        if config != heuristic and w.shape[1] % config.block_n == 0:
+        fits = w.shape[1] % config.block_n == 0 and alignment % config.block_m == 0
+        if config != heuristic and fits:
             configs.setdefault(_describe(config), config)
     if heuristic.is_fp8_dot and w.dtype == quant.FP8_DTYPE:
         # The heuristic's tiles with the other FP8 accumulation (`GroupedGemmConfig.is_fp8_wgmma`:
