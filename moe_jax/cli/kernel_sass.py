@@ -66,7 +66,7 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     """Kernel name -> a builder of (function, abstract arguments) at a layer's size: shape A's
     act*up + quantize (36832 x 4096 bf16 with expert ids) and token quantization (4096 x 7168),
     its FP8 permute, its unpermute, and the decode grouped GEMM1 of DeepSeek-V3 at T=8 and
-    T=2048 (the latter also with `GroupedGemmConfig.is_fp8_wgmma`)."""
+    T=2048 (the latter also without `GroupedGemmConfig.is_fp8_wgmma`)."""
     # The modules, not the functions `moe_jax.kernels` exports under the same names.
     act_quant = importlib.import_module("moe_jax.kernels.act_quant")
     grouped_gemm = importlib.import_module("moe_jax.kernels.grouped_gemm")
@@ -103,14 +103,15 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
             spec((4096, 8), jnp.float32),
         )
 
-    def gemm(rows, alignment, *, wgmma=False):
-        """DeepSeek-V3's GEMM1 on a contiguous layout of `rows` rows, the heuristic's tiles
-        (with `is_fp8_wgmma` set when `wgmma`)."""
+    def gemm(rows, alignment, *, exact=False):
+        """DeepSeek-V3's GEMM1 on a contiguous layout of `rows` rows, the heuristic's config
+        (FP8 wgmma), or with exact accumulation (`is_fp8_wgmma` off) when `exact`."""
         experts, n, k = 256, 4096, 7168
         config = grouped_gemm.heuristic_config(
             num_rows=rows, num_experts=experts, n=n, k=k, alignment=alignment, is_fp8=True
         )
-        config = dataclasses.replace(config, is_fp8_wgmma=wgmma)
+        if exact:
+            config = dataclasses.replace(config, is_fp8_wgmma=False)
 
         def fn(x, w, ids, xs, ws):
             return grouped_gemm.grouped_gemm_contiguous(
@@ -133,10 +134,11 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         "group_quant": group,
         "permute_fp8": permute_fp8,
         "unpermute": unpermute_bf16,
-        # T=8 (16-row segments), T=2048 (64-row segments), and T=2048 on FP8 wgmma
+        # T=8 (16-row segments), T=2048 (64-row segments), and T=2048 with the exact
+        # accumulation Pallas asks for by default (mma.sync on upcast tiles)
         "grouped_gemm_decode": gemm(1024, 16),
         "grouped_gemm_2048": gemm(32512, 64),
-        "grouped_gemm_2048_wgmma": gemm(32512, 64, wgmma=True),
+        "grouped_gemm_2048_exact": gemm(32512, 64, exact=True),
     }
 
 
@@ -147,7 +149,7 @@ KERNELS = (
     "unpermute",
     "grouped_gemm_decode",
     "grouped_gemm_2048",
-    "grouped_gemm_2048_wgmma",
+    "grouped_gemm_2048_exact",
 )
 _MODULE_START = re.compile(r"^module @")
 _LOCATION = re.compile(r'( \[unknown\]| "[^"]*"\(#loc\d*\)| loc\([^)]*\))')
