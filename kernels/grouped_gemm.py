@@ -28,7 +28,8 @@ exact accumulation of those dots, so Triton upcasts the tiles to half precision 
 (read offline from the SASS, `python -m moe_jax.cli.kernel_sass`). `is_fp8_wgmma`, which the
 heuristic sets for FP8, lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
 128-wide K block with fewer than float32's bits before the per-block scales apply in float32
-(`kernels/_fp8_dot.py`; on the H200 4-31% faster at T=512..2048, DeepSeek-V3 shapes).
+(`kernels/_fp8_dot.py`; on the H200 with DeepSeek-V3 shapes 1% faster at T=512, where the
+weight stream bounds it, 13-19% at T=1024 and 27-31% at T=2048).
 With `is_fp8_dot=False` the tiles are upcast to bf16 in-kernel instead (exact: e4m3 values are
 bf16 values), at the cost of converting every weight element in the kernel's own code (slower on
 the H200: see `heuristic_config`).
@@ -125,7 +126,8 @@ def heuristic_config(
     directly (upcasting each weight element costs more ALU time than the memory stream leaves, H200
     sweep of 2026-12-01 in BENCHMARKS.md) and on Hopper's FP8 wgmma (`is_fp8_wgmma`: the exact
     accumulation Pallas asks for by default runs on mma.sync with both tiles upcast to half
-    precision, 4-31% slower on the H200 at T=512..2048, 2026-12-02 22-23 UTC). Short segments
+    precision, on the H200 1% slower at T=512, 13-19% at T=1024, 27-31% at T=2048, 2026-12-02
+    22-23 UTC). Short segments
     take [16, 64] tiles (more programs to stream the weights; 6 pipeline stages for FP8, the only
     dtype swept); longer ones [., 128] tiles computed transposed while block_m < 64, so the
     weight rows fill the large side of Hopper's wgmma (FP8: 5 stages up to 32 mean rows, 3
@@ -137,7 +139,8 @@ def heuristic_config(
     `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02, night,
     DeepSeek-V3 FP8 shapes, T=32..1024) columns first is 8-18% faster for every GEMM and T, and
     these choices are within 2.5% of the fastest of 22 candidates (GEMM2 at T=128: 934 vs 919
-    us); with FP8 wgmma (T=1024, 2048) within 1% of the fastest, BENCHMARKS.md.
+    us); with FP8 wgmma (T=512 on 32-row segments, T=1024, T=2048) within 1.6% of the fastest,
+    BENCHMARKS.md.
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_cap = min(MAX_ALIGNMENT, mean_rows)
@@ -150,7 +153,7 @@ def heuristic_config(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
-        num_stages=4 if is_fp8 and fills_wgmma else _stages(mean_rows, is_fp8=is_fp8),
+        num_stages=_stages(mean_rows, block_m, is_fp8=is_fp8),
         is_transposed=(is_long and not fills_wgmma) or not is_fp8,
         is_fp8_dot=is_fp8,
         is_column_major=is_fp8 and num_rows >= COLUMN_MAJOR_MIN_ROWS,
@@ -158,8 +161,11 @@ def heuristic_config(
     )
 
 
-def _stages(mean_rows: int, *, is_fp8: bool) -> int:
-    """Pipeline stages of the K loop by mean segment rows (FP8 swept on the H200; bf16 not)."""
+def _stages(mean_rows: int, block_m: int, *, is_fp8: bool) -> int:
+    """Pipeline stages of the K loop by mean segment rows and row block (FP8 swept on the
+    H200; bf16 not)."""
+    if is_fp8 and block_m >= WGMMA_ROWS:
+        return 4
     if mean_rows <= SHORT_SEGMENT_ROWS:
         return 6 if is_fp8 else 4
     return 5 if is_fp8 and mean_rows <= 2 * SHORT_SEGMENT_ROWS else 3

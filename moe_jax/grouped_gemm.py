@@ -165,8 +165,9 @@ class GroupedGemm(abc.ABC):
 # With Hopper's FP8 wgmma in the Pallas kernel (`GroupedGemmConfig.is_fp8_wgmma`), 2026-12-02
 # 22-23 UTC, one call: 1/32: 123 vs 166; 1/4: 645 vs 892; 1: 1813 vs 3048; 4: 2616 vs 3767;
 # 16: 3095 vs 3991; 32: 3288 vs 4270; 48: 3418 vs 4525; 64: 4334 vs 4742 (before the [64, 128]
-# untransposed tiles of `heuristic_config`). Pallas wins at every T measured: the crossover
-# moves to 64.
+# untransposed tiles of `heuristic_config`). With those tiles (a second call): 64: 3998 vs 4669;
+# 96 (T=3072): 5256 vs 5278; 128 (T=4096): 6426 vs 6059. Pallas wins up to 64 and ties at 96:
+# the crossover moves to 64.
 PALLAS_MAX_PAIRS_PER_EXPERT = 64
 
 

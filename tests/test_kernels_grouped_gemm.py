@@ -166,7 +166,8 @@ def test_grouped_gemm_configs(impl, config):
 
 
 def test_heuristic_follows_the_h200_sweep():
-    """DeepSeek-V3 GEMM1 layouts of T=1, 32, 512, 1024 (alignment 16): BENCHMARKS.md's sweep."""
+    """DeepSeek-V3 GEMM1 layouts of T=1, 32, 512, 1024 (alignment 16) and T=2048 (64):
+    BENCHMARKS.md's sweeps."""
     shape = dict(num_experts=256, n=4096, k=7168, alignment=16)
     short = gg.heuristic_config(num_rows=4096, is_fp8=True, **shape)
     mid = gg.heuristic_config(num_rows=7936, is_fp8=True, **shape)
@@ -176,8 +177,15 @@ def test_heuristic_follows_the_h200_sweep():
     assert (long.block_n, long.num_stages, long.is_transposed) == (128, 3, True)
     assert all(c.block_m == 16 and c.is_column_major for c in (short, mid, long))
     assert not gg.heuristic_config(num_rows=128, is_fp8=True, **shape).is_column_major  # T=1
+    # T=2048 on 64-row segments: the x rows fill wgmma's 64 rows, the tile runs untransposed.
+    wide = gg.heuristic_config(num_rows=32512, is_fp8=True, **{**shape, "alignment": 64})
+    assert (wide.block_m, wide.block_n, wide.num_stages, wide.is_transposed) == (64, 128, 4, False)
+    assert all(c.is_fp8_wgmma for c in (short, mid, long, wide))
     bf16 = gg.heuristic_config(num_rows=7936, is_fp8=False, **shape)
     assert (bf16.num_stages, bf16.is_column_major, bf16.is_fp8_dot) == (3, False, False)
+    assert not bf16.is_fp8_wgmma
+    bf16_wide = gg.heuristic_config(num_rows=32512, is_fp8=False, **{**shape, "alignment": 64})
+    assert (bf16_wide.num_stages, bf16_wide.is_transposed) == (3, True)
 
 
 def test_rows_not_a_multiple_of_block_m_are_padded():
