@@ -127,9 +127,11 @@ def heuristic_config(
     sweep of 2026-12-01 in BENCHMARKS.md) and on Hopper's FP8 wgmma (`is_fp8_wgmma`: the exact
     accumulation Pallas asks for by default runs on mma.sync with both tiles upcast to half
     precision, on the H200 1% slower at T=512, 13-19% at T=1024, 27-31% at T=2048, 2026-12-02
-    22-23 UTC). Short segments
-    take [16, 64] tiles (more programs to stream the weights; 6 pipeline stages for FP8, the only
-    dtype swept); longer ones [., 128] tiles computed transposed while block_m < 64, so the
+    22-23 UTC). Short segments launched rows first (T=1, and bf16) take [16, 64] tiles (more
+    programs to stream the weights; 6 pipeline stages for FP8, the only dtype swept); FP8 short
+    segments launched columns first (T=8, T=32) and longer ones [., 128] tiles computed
+    transposed while block_m < 64 (H200, 2026-12-03: GEMM1 at T=8 402 vs 420 us, at T=32 1167
+    vs 1203 us; GEMM2 within the sweep's noise, 215-235 vs 218-223 us at T=8), so the
     weight rows fill the large side of Hopper's wgmma (FP8: 5 stages up to 32 mean rows, 3
     above); from block_m 64 on the x rows fill it themselves and the [64, 128] tile runs as it
     is with 4 stages (FP8 at T=2048: GEMM1 2426 vs 2566 us, GEMM2 1186 vs 1406 us transposed).
@@ -145,28 +147,30 @@ def heuristic_config(
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_cap = min(MAX_ALIGNMENT, mean_rows)
     block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, block_cap))
-    is_long = mean_rows > SHORT_SEGMENT_ROWS
+    is_column_major = is_fp8 and num_rows >= COLUMN_MAJOR_MIN_ROWS
+    # FP8 short segments launched columns first take the wide transposed tile too (T=8).
+    is_wide = mean_rows > SHORT_SEGMENT_ROWS or is_column_major
     fills_wgmma = block_m >= WGMMA_ROWS
-    block_n = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(n, 128 if is_long else 64))
+    block_n = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(n, 128 if is_wide else 64))
     block_k = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(k, 128))
     return GroupedGemmConfig(
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
-        num_stages=_stages(mean_rows, block_m, is_fp8=is_fp8),
-        is_transposed=(is_long and not fills_wgmma) or not is_fp8,
+        num_stages=_stages(mean_rows, block_m, is_fp8=is_fp8, is_wide=is_wide),
+        is_transposed=(is_wide and not fills_wgmma) or not is_fp8,
         is_fp8_dot=is_fp8,
-        is_column_major=is_fp8 and num_rows >= COLUMN_MAJOR_MIN_ROWS,
+        is_column_major=is_column_major,
         is_fp8_wgmma=is_fp8,
     )
 
 
-def _stages(mean_rows: int, block_m: int, *, is_fp8: bool) -> int:
-    """Pipeline stages of the K loop by mean segment rows and row block (FP8 swept on the
-    H200; bf16 not)."""
+def _stages(mean_rows: int, block_m: int, *, is_fp8: bool, is_wide: bool) -> int:
+    """Pipeline stages of the K loop by mean segment rows, row block and tile width (FP8
+    swept on the H200; bf16 not)."""
     if is_fp8 and block_m >= WGMMA_ROWS:
         return 4
-    if mean_rows <= SHORT_SEGMENT_ROWS:
+    if mean_rows <= SHORT_SEGMENT_ROWS and not is_wide:
         return 6 if is_fp8 else 4
     return 5 if is_fp8 and mean_rows <= 2 * SHORT_SEGMENT_ROWS else 3
 

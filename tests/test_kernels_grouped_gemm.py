@@ -166,17 +166,21 @@ def test_grouped_gemm_configs(impl, config):
 
 
 def test_heuristic_follows_the_h200_sweep():
-    """DeepSeek-V3 GEMM1 layouts of T=1, 32, 512, 1024 (alignment 16) and T=2048 (64):
+    """DeepSeek-V3 GEMM1 layouts of T=1, 8, 32, 512, 1024 (alignment 16) and T=2048 (64):
     BENCHMARKS.md's sweeps."""
     shape = dict(num_experts=256, n=4096, k=7168, alignment=16)
-    short = gg.heuristic_config(num_rows=4096, is_fp8=True, **shape)
+    single = gg.heuristic_config(num_rows=128, is_fp8=True, **shape)  # T=1: rows first
+    assert (single.block_n, single.num_stages, single.is_transposed) == (64, 6, False)
+    assert not single.is_column_major
+    # Short segments launched columns first (T=8, T=32) take the wide transposed tile.
+    short = gg.heuristic_config(num_rows=1024, is_fp8=True, **shape)
+    short_32 = gg.heuristic_config(num_rows=4096, is_fp8=True, **shape)
     mid = gg.heuristic_config(num_rows=7936, is_fp8=True, **shape)
     long = gg.heuristic_config(num_rows=12032, is_fp8=True, **shape)
-    assert (short.block_n, short.num_stages, short.is_transposed) == (64, 6, False)
-    assert (mid.block_n, mid.num_stages, mid.is_transposed) == (128, 5, True)
+    for config in (short, short_32, mid):
+        assert (config.block_n, config.num_stages, config.is_transposed) == (128, 5, True)
     assert (long.block_n, long.num_stages, long.is_transposed) == (128, 3, True)
-    assert all(c.block_m == 16 and c.is_column_major for c in (short, mid, long))
-    assert not gg.heuristic_config(num_rows=128, is_fp8=True, **shape).is_column_major  # T=1
+    assert all(c.block_m == 16 and c.is_column_major for c in (short, short_32, mid, long))
     # T=2048 on 64-row segments: the x rows fill wgmma's 64 rows, the tile runs untransposed.
     wide = gg.heuristic_config(num_rows=32512, is_fp8=True, **{**shape, "alignment": 64})
     assert (wide.block_m, wide.block_n, wide.num_stages, wide.is_transposed) == (64, 128, 4, False)
