@@ -51,7 +51,7 @@ from moe_jax.kernels import _fp8_dot, _triton, _wide_offsets
 
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
-SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which the heuristic takes [16, 64] tiles
+SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which rows-first layouts take [16, 64] tiles
 WGMMA_ROWS = 64  # rows of one warpgroup's Hopper wgmma: block_m from which FP8 runs untransposed
 MAX_ALIGNMENT = 64  # widest segment multiple `PallasGemm.layout_alignment` asks for (block_m cap)
 # Layout rows from which the FP8 heuristic launches column tiles first: H200 sweep of 2026-12-02
@@ -148,7 +148,7 @@ def heuristic_config(
     block_cap = min(MAX_ALIGNMENT, mean_rows)
     block_m = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(alignment, block_cap))
     is_column_major = is_fp8 and num_rows >= COLUMN_MAJOR_MIN_ROWS
-    # FP8 short segments launched columns first take the wide transposed tile too (T=8).
+    # FP8 short segments launched columns first take the wide transposed tile too (T=8, T=32).
     is_wide = mean_rows > SHORT_SEGMENT_ROWS or is_column_major
     fills_wgmma = block_m >= WGMMA_ROWS
     block_n = max(MIN_BLOCK, _triton.largest_power_of_2_divisor(n, 128 if is_wide else 64))
@@ -170,7 +170,7 @@ def _stages(mean_rows: int, block_m: int, *, is_fp8: bool, is_wide: bool) -> int
     swept on the H200; bf16 not)."""
     if is_fp8 and block_m >= WGMMA_ROWS:
         return 4
-    if mean_rows <= SHORT_SEGMENT_ROWS and not is_wide:
+    if not is_wide:  # short segments launched rows first
         return 6 if is_fp8 else 4
     return 5 if is_fp8 and mean_rows <= 2 * SHORT_SEGMENT_ROWS else 3
 
