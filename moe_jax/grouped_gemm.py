@@ -197,6 +197,7 @@ GEMMS: Registry[GroupedGemm] = Registry(
         "deep_gemm": "moe_jax.interop.deep_gemm",
         "torch": "moe_jax.interop.torch_gemm",
         "mosaic": "moe_jax.kernels.mosaic_gemm",
+        "mosaic_fp8": "moe_jax.kernels.mosaic_fp8_gemm",
         "pallas": "moe_jax.kernels.grouped_gemm",
         "pallas_interpret": "moe_jax.kernels.grouped_gemm",
     },

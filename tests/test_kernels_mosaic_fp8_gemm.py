@@ -1,0 +1,296 @@
+"""Mosaic GPU FP8 grouped GEMM (`moe_jax.kernels.mosaic_fp8_gemm`) vs a float64 loop.
+
+Tolerances: the compiled kernel runs Hopper's FP8 wgmma, whose accumulator sums each 128-wide K
+block with fewer bits than float32 before the block's scales apply (2e-3 on unit-scale products,
+as the Triton kernel's FP8 dot); interpret mode takes the same FP8 products with an exact
+`dot_general` (the interpreter has no transposed shared-memory views) and runs everything else as
+compiled: the persistent tile loop, the TMA pipeline (and the warp-specialised one), the skipped
+padding blocks, the per-block scales and the output copies. bf16 output adds one rounding (1e-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracles
+import pytest
+
+import moe_jax.quant
+from moe_jax import grouped_gemm
+from moe_jax.experts import ContiguousExperts
+from moe_jax.fused_moe import fused_moe
+from moe_jax.grouped_gemm import GemmProblem
+from moe_jax.kernels import mosaic_fp8_gemm as mg
+
+FP8_TOL = {jnp.float32: dict(rtol=2e-3, atol=2e-3), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+IMPLS = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
+CONFIGS = [
+    pytest.param(mg.MosaicFp8GemmConfig(), id="two_warpgroups"),
+    pytest.param(mg.MosaicFp8GemmConfig(num_compute_wgs=1, block_n=64), id="one_warpgroup_bn64"),
+    # K=256 (2 steps) chains the tiles' pipelines; K=384 (3 steps) runs them one by one
+    pytest.param(
+        mg.MosaicFp8GemmConfig(is_chained=True, max_concurrent_steps=2),
+        id="chained",
+    ),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    name: str
+    num_tokens: int
+    topk: int
+    num_experts: int
+    n: int
+    k: int
+    only_experts: tuple[int, ...] | None = None
+
+    def __str__(self):
+        return self.name
+
+
+PROBLEMS = [
+    # ids -1 and E on both sides of the valid range; several experts with two row blocks
+    Problem("invalid_ids_two_blocks", 70, 2, 3, 256, 256),
+    Problem("empty_experts_one_token", 1, 2, 8, 256, 384, only_experts=(2, 5)),
+]
+
+
+def _operands(problem: Problem, rng: np.random.Generator):
+    shape = (problem.num_tokens, problem.topk)
+    if problem.only_experts is not None:
+        ids = rng.choice(np.array(problem.only_experts), size=shape)
+        ids[:, 1:] = np.where(ids[:, 1:] == ids[:, :1], -1, ids[:, 1:])  # no duplicate in a row
+    else:
+        ids = rng.integers(-1, problem.num_experts + 1, size=shape)
+    x = rng.standard_normal((problem.num_tokens, problem.k)).astype(np.float32)
+    w = (rng.standard_normal((problem.num_experts, problem.n, problem.k)) / 8).astype(np.float32)
+    x, x_scales = oracles.per_token_group_quant_fp8(x)
+    w, w_scales = oracles.per_block_quant_fp8(w)
+    # negative scales: the kernel multiplies by them as given
+    w_scales = w_scales * np.where(rng.random(w_scales.shape) < 0.3, -1.0, 1.0).astype(np.float32)
+    return x, w, x_scales, w_scales, ids.astype(np.int32)
+
+
+def _run(lay, w, w_scales, *, config, out_dtype, interpret, alignment=64):
+    return mg.mosaic_fp8_gemm_contiguous(
+        jnp.asarray(lay["rows"]),
+        jnp.asarray(w),
+        jnp.asarray(lay["expert_ids"], jnp.int32),
+        x_scales=jnp.asarray(lay["row_scales"]),
+        w_scales=jnp.asarray(w_scales),
+        alignment=alignment,
+        out_dtype=out_dtype,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _check(y, problem, x, w, x_scales, w_scales, ids, lay, tol):
+    x64 = oracles.dequant_per_token_group(x, x_scales)
+    w64 = oracles.dequant_per_block(w, w_scales)
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32), np.float64)
+    checked = 0
+    for t in range(problem.num_tokens):
+        for j in range(problem.topk):
+            e = ids[t, j]
+            if 0 <= e < problem.num_experts:
+                np.testing.assert_allclose(y[lay["inverse"][t, j]], w64[e] @ x64[t], **tol)
+                checked += 1
+    assert checked == int(np.sum(lay["expert_ids"] >= 0)) > 0
+
+
+@pytest.mark.parametrize("interpret", IMPLS)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_matches_float64_loop(interpret, config, problem):
+    rng = np.random.default_rng(oracles.seed(problem.name))
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=64, x_scales=x_scales)
+    out_dtype = jnp.bfloat16 if config.is_chained else jnp.float32
+    y = _run(lay, w, w_scales, config=config, out_dtype=out_dtype, interpret=interpret)
+    assert y.shape == (lay["rows"].shape[0], problem.n) and y.dtype == out_dtype
+    _check(y, problem, x, w, x_scales, w_scales, ids, lay, FP8_TOL[out_dtype])
+
+
+@pytest.mark.parametrize("interpret", IMPLS)
+def test_rows_not_a_multiple_of_block_m(interpret):
+    """M = 100 rows (a layout cut short after its last segment) is padded to whole row blocks."""
+    rng = np.random.default_rng(5)
+    problem = Problem("cut_short", 20, 2, 2, 256, 256)
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    ids = np.abs(ids) % 2
+    lay = oracles.permute(x, ids, 2, alignment=64, x_scales=x_scales)
+    last = int(lay["expert_ends"][-1]) - 64 + int(lay["num_tokens_per_expert"][-1])
+    lay = {**lay, "rows": lay["rows"][:last], "row_scales": lay["row_scales"][:last]}
+    lay["expert_ids"] = lay["expert_ids"][:last]
+    y = _run(lay, w, w_scales, config=None, out_dtype=jnp.float32, interpret=interpret)
+    assert y.shape == (last, 256)
+    _check(y, problem, x, w, x_scales, w_scales, ids, lay, FP8_TOL[jnp.float32])
+
+
+def test_no_rows():
+    x = jnp.zeros((0, 128), jnp.float8_e4m3fn)
+    w = jnp.zeros((2, 256, 128), jnp.float8_e4m3fn)
+    y = mg.mosaic_fp8_gemm_contiguous(
+        x,
+        w,
+        jnp.zeros((0,), jnp.int32),
+        x_scales=jnp.zeros((0, 1)),
+        w_scales=jnp.ones((2, 2, 1)),
+        alignment=64,
+        interpret=True,
+    )
+    assert y.shape == (0, 256) and y.dtype == jnp.bfloat16
+
+
+def _call(**changes):
+    args = dict(
+        x=jnp.zeros((64, 128), jnp.float8_e4m3fn),
+        w=jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
+        expert_ids=jnp.zeros((64,), jnp.int32),
+        x_scales=jnp.ones((64, 1)),
+        w_scales=jnp.ones((2, 2, 1)),
+        alignment=64,
+        interpret=True,
+    )
+    args.update(changes)
+    return mg.mosaic_fp8_gemm_contiguous(**args)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        (dict(x=jnp.zeros((64, 128), jnp.bfloat16)), TypeError, "float8_e4m3fn"),
+        (dict(alignment=32), ValueError, "alignment=32"),
+        (dict(alignment=96), ValueError, "multiple of 64 rows"),
+        (dict(x_scales=jnp.ones((64, 2))), ValueError, "x_scales.shape"),
+        (dict(expert_ids=jnp.zeros((63,), jnp.int32)), ValueError, "expert_ids.shape"),
+        (dict(w=jnp.zeros((2, 200, 128), jnp.float8_e4m3fn)), ValueError, "multiples of 128"),
+        (
+            dict(config=mg.MosaicFp8GemmConfig(num_compute_wgs=2, block_n=128)),
+            ValueError,
+            "N=256",
+        ),
+    ],
+)
+def test_refuses_with_a_reason(changes, error, match):
+    if "config" in changes:  # N=256 takes one 256-column tile; N=128 cannot
+        changes = {
+            **changes,
+            "w": jnp.zeros((2, 128, 128), jnp.float8_e4m3fn),
+            "w_scales": jnp.ones((2, 1, 1)),
+        }
+        match = "N=128"
+    with pytest.raises(error, match=match):
+        _call(**changes)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(block_n=32), dict(block_n=256), dict(max_concurrent_steps=0), dict(num_compute_wgs=3)],
+)
+def test_config_checks(changes):
+    with pytest.raises(ValueError, match="MosaicFp8GemmConfig"):
+        mg.MosaicFp8GemmConfig(**changes)
+
+
+def test_interpret_mode_is_deterministic():
+    rng = np.random.default_rng(9)
+    problem = PROBLEMS[0]
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=64, x_scales=x_scales)
+    run = jax.jit(
+        lambda: _run(lay, w, w_scales, config=None, out_dtype=jnp.float32, interpret=True)
+    )
+    first = np.asarray(run())
+    valid = lay["expert_ids"] >= 0
+    np.testing.assert_array_equal(first[valid], np.asarray(run())[valid])
+
+
+# --- the "mosaic_fp8" GEMM backend ------------------------------------------------------------
+
+
+def _gemm_problem(**changes) -> GemmProblem:
+    base = dict(
+        layout="contiguous",
+        n=4096,
+        k=7168,
+        num_experts=256,
+        num_pairs=16384,
+        x_dtype="float8_e4m3fn",
+        w_dtype="float8_e4m3fn",
+        platform="gpu",
+    )
+    return GemmProblem(**{**base, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        (dict(platform="cpu"), "NVIDIA Hopper GPU"),
+        (dict(x_dtype="bfloat16", w_dtype="bfloat16"), "FP8 operands only"),
+        (dict(n=4096 + 128), "N a multiple of 256"),
+        (dict(alignment=32), "alignment 32"),
+        (dict(layout="ragged"), "layout"),
+    ],
+)
+def test_backend_refuses_with_a_reason(changes, reason):
+    backend = grouped_gemm.GEMMS.get("mosaic_fp8")
+    assert backend.unsupported_reason(_gemm_problem()) is None
+    assert reason in backend.unsupported_reason(_gemm_problem(**changes))
+    assert backend.layout_alignment(_gemm_problem()) == 64
+
+
+def test_backend_masked_layout_matches_float64_loop():
+    rng = np.random.default_rng(6)
+    num_experts, max_m, n, k = 3, 70, 256, 256
+    counts = np.array([70, 0, 2])  # one expert over a row block, one empty, one short
+    x = rng.standard_normal((num_experts, max_m, k)).astype(np.float32)
+    w = (rng.standard_normal((num_experts, n, k)) / 8).astype(np.float32)
+    xq, xs = oracles.per_token_group_quant_fp8(x)
+    wq, ws = oracles.per_block_quant_fp8(w)
+    backend = mg.MosaicFp8Gemm(mg.MosaicFp8GemmConfig(num_compute_wgs=2), interpret=True)
+    y = backend.masked(
+        jnp.asarray(xq),
+        jnp.asarray(wq),
+        jnp.asarray(counts, jnp.int32),
+        x_scales=jnp.asarray(xs),
+        w_scales=jnp.asarray(ws),
+        out_dtype=jnp.float32,
+    )
+    assert y.shape == (num_experts, max_m, n)
+    x64, w64 = oracles.dequant_per_token_group(xq, xs), oracles.dequant_per_block(wq, ws)
+    for e in range(num_experts):
+        np.testing.assert_allclose(
+            np.asarray(y[e, : counts[e]]), x64[e, : counts[e]] @ w64[e].T, **FP8_TOL[jnp.float32]
+        )
+
+
+def test_fused_moe_through_the_backend_matches_the_xla_experts():
+    """The layer with the Mosaic GEMM for both GEMMs (64-row segments), against the XLA experts
+    on the same FP8 weights."""
+    rng = np.random.default_rng(7)
+    num_experts, hidden, inter, topk, num_tokens = 4, 256, 128, 2, 40
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, num_experts, (num_tokens, topk)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
+    w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
+    w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
+    scales = dict(w1_scale=s1, w2_scale=s2)
+    experts = ContiguousExperts(
+        gemm=mg.MosaicFp8Gemm(mg.MosaicFp8GemmConfig(block_n=64, num_compute_wgs=2), interpret=True)
+    )
+    got = fused_moe(x, w1, w2, weights, ids, experts=experts, **scales)
+    want = fused_moe(x, w1, w2, weights, ids, experts="xla", **scales)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    # The same rounding points on both paths; an FP8 requantization may differ by one step.
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
