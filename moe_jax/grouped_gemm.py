@@ -168,7 +168,17 @@ class GroupedGemm(abc.ABC):
 # untransposed tiles of `heuristic_config`). With those tiles (a second call): 64: 3998 vs 4669;
 # 96 (T=3072): 5256 vs 5278; 128 (T=4096): 6426 vs 6059. Pallas wins up to 64 and ties at 96:
 # the crossover moves to 64.
+# 2026-12-03 (H200, one call each, `scratch` drivers recorded in BENCHMARKS.md): the Mosaic GPU
+# kernel ("mosaic_fp8": persistent, warp-specialised, TMA-fed) on the same 64-row segments the
+# Pallas kernel takes from 17 pairs per expert, GEMM1 / GEMM2 us: 32 pairs (T=1024) 1957 / 1021
+# vs 2037 / 1001; 64 (T=2048) 2315 / 1165 vs 2476 / 1170; whole layer 3096 vs 3174 and 3692 vs
+# 4019. At 16 pairs (T=512) the Pallas kernel's 32-row segments stay ahead (1836 / 948 us against
+# 1920 / 990 for Mosaic's one-warpgroup form on 64-row segments). So on the contiguous layout
+# "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and up to
+# PALLAS_MAX_PAIRS_PER_EXPERT, Pallas second (the masked layout, measured with Pallas only in the
+# DeepEP low-latency path, keeps Pallas first).
 PALLAS_MAX_PAIRS_PER_EXPERT = 64
+MOSAIC_FP8_MIN_PAIRS_PER_EXPERT = 16
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:
@@ -178,14 +188,21 @@ def _preference(problem: GemmProblem) -> tuple[str, ...]:
     JAX's Mosaic GPU ragged dot, the Pallas grouped GEMM, then the XLA block loop. With FP8
     weights and few rows per expert (decode) the Pallas grouped GEMM goes first: it pads segments
     to 16-64 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
-    only, so bf16 keeps the general order). Elsewhere the XLA loop only: the torch backend runs on
-    the CPU as the twin of its GPU path for tests, not to be fast.
+    only, so bf16 keeps the general order); on the contiguous layout from 17 to 64 pairs per
+    expert the Mosaic GPU FP8 kernel ("mosaic_fp8", 64-row segments) goes before it, and a
+    problem it cannot take (N not a multiple of its tile) falls through to Pallas. Elsewhere the
+    XLA loop only: the torch backend runs on the CPU as the twin of its GPU path for tests, not to
+    be fast.
     """
     if problem.platform == "gpu":
         tuned = ("deep_gemm", "torch", "mosaic", "xla")
         pairs_per_expert = problem.num_pairs / max(problem.num_experts, 1)
         if problem.is_fp8 and pairs_per_expert <= PALLAS_MAX_PAIRS_PER_EXPERT:
-            return ("pallas", *tuned)
+            is_mosaic_first = (
+                problem.layout == "contiguous"
+                and pairs_per_expert > MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
+            )
+            return ("mosaic_fp8", "pallas", *tuned) if is_mosaic_first else ("pallas", *tuned)
         return ("deep_gemm", "torch", "mosaic", "pallas", "xla")
     return ("xla",)
 

@@ -67,6 +67,21 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     assert "multiple of 16" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path):
+    """`--candidates mosaic`: the heuristic (the Pallas kernel) and every Mosaic config that
+    fits, each checked against the heuristic (interpret mode off a GPU)."""
+    path = tmp_path / "sweep.json"
+    argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1"]
+    argv += ["--alignment", "64", "--candidates", "mosaic", "--json", str(path)]
+    assert gemm_sweep.main(argv) == 0
+    (entry,) = json.loads(path.read_text())["report"]
+    names = {r["config"] for r in entry["results"]}
+    assert len(names) == 1 + len(gemm_sweep.MOSAIC_CANDIDATES)
+    assert "heuristic" in names and sum(n.startswith("mosaic") for n in names) == 5
+    assert all("failed" not in r for r in entry["results"]), entry["results"]
+
+
 def test_gemm_sweep_defaults_to_the_layers_own_alignment():
     """Without --alignment each T gets the segment multiple the layer's Pallas GEMM uses."""
     from moe_jax.cli import decode_bench

@@ -60,10 +60,20 @@ def test_auto_picks_the_first_backend_in_preference_that_runs(platform):
         assert preference == ("xla",) and chosen.name == "xla"
 
 
-def test_auto_prefers_the_pallas_gemm_for_decode_sizes_on_gpu():
-    decode = _problem(platform="gpu", num_pairs=8 * grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT // 2)
+def test_auto_prefers_the_decode_gemms_for_decode_sizes_on_gpu():
+    """Pallas first up to 16 pairs per expert; on the contiguous layout Mosaic's FP8 kernel
+    first above that and up to 64 (Pallas next), the masked layout Pallas; DeepGEMM beyond."""
+    mosaic_from = grouped_gemm.MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
+    short = _problem(platform="gpu", num_pairs=4 * mosaic_from)
+    longer = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1)
+    last = _problem(platform="gpu", num_pairs=4 * grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT)
     prefill = _problem(platform="gpu", num_pairs=4096 * 8)
-    assert GEMMS.preference(decode)[0] == "pallas"
+    assert GEMMS.preference(short)[0] == "pallas"
+    assert GEMMS.preference(longer)[:2] == GEMMS.preference(last)[:2] == ("mosaic_fp8", "pallas")
+    masked = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1, layout="masked")
+    assert GEMMS.preference(masked)[0] == "pallas"
+    bf16 = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1, w_dtype="bfloat16")
+    assert "mosaic_fp8" not in GEMMS.preference(bf16)
     assert GEMMS.preference(prefill)[:2] == ("deep_gemm", "torch")
     assert GEMMS.preference(prefill)[-1] == "xla"
 

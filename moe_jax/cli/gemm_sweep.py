@@ -1,11 +1,13 @@
-"""`python -m moe_jax.cli.gemm_sweep`: tile sweep of the Pallas decode grouped GEMM.
+"""`python -m moe_jax.cli.gemm_sweep`: tile sweep of the decode grouped GEMMs (Pallas, Mosaic).
 
 For each token count T it builds the contiguous layout of a decode batch routed like `bench
 --decode`, with the segment multiple the layer itself would use for that T
 (`PallasGemm.layout_alignment`: 16, 32 or 64 rows by pairs per expert) unless `--alignment` fixes
 it (DeepSeek-V3 on one GPU by default), then times
 `moe_jax.kernels.grouped_gemm_contiguous` for GEMM1 ([M, H] x [E, 2I, H]) and GEMM2
-([M, I] x [E, H, I]) with the heuristic's tiles and each candidate of `CANDIDATES`. Every
+([M, I] x [E, H, I]) with the heuristic's tiles and each candidate of `CANDIDATES`, and on
+layouts of 64-row segments the Mosaic GPU FP8 kernel (`moe_jax.kernels.mosaic_fp8_gemm`) with
+each of `MOSAIC_CANDIDATES` (`--candidates` picks either set). Every
 candidate is checked first against the heuristic's output, and the heuristic's output against
 the float32 reference on 16 rows spread over the layout (both within `TOLERANCE`; a config that
 is not is reported, not timed, and a wrong heuristic makes the command exit with status 1). It
@@ -36,6 +38,7 @@ from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import decode_bench
 from moe_jax.cli.timing import rel_error, time_calls
 from moe_jax.kernels import grouped_gemm as gemm_kernels
+from moe_jax.kernels import mosaic_fp8_gemm
 
 ALIGNMENT = 16  # sweep_one's default segment multiple (the layer's for <= 16 pairs per expert)
 CHECK_ROWS = 16
@@ -81,6 +84,24 @@ CANDIDATES = tuple(
     )
     for warps, stages in ((8, 3), (8, 4), (4, 3))
 )
+
+
+# The Mosaic GPU FP8 kernel's configs (`moe_jax.kernels.mosaic_fp8_gemm`), timed on layouts of
+# 64-row segments beside the Pallas kernel's: two compute warpgroups with 2-4 pipeline slots, one
+# pipeline per tile or chained across tiles.
+MOSAIC_CANDIDATES = tuple(
+    mosaic_fp8_gemm.MosaicFp8GemmConfig(
+        block_n=bn, num_compute_wgs=wgs, max_concurrent_steps=steps, is_chained=chained
+    )
+    for bn, wgs, steps, chained in (
+        (128, 2, 3, False),
+        (128, 2, 4, False),
+        (128, 2, 4, True),
+        (128, 2, 2, True),
+        (64, 2, 4, True),
+    )
+)
+CANDIDATE_SETS = ("all", "pallas", "mosaic")
 
 
 def _layout(
@@ -140,8 +161,10 @@ def sweep_one(
     samples: int,
     interpret: bool,
     alignment: int = ALIGNMENT,
+    candidates: str = "all",
 ) -> list[dict]:
-    """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM.
+    """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM, and
+    the Mosaic GPU kernel's `MOSAIC_CANDIDATES` where the layout and N allow them.
 
     Args:
       lay: float8_e4m3fn rows [M, K] sorted by expert in `alignment`-row segments, row scales
@@ -150,6 +173,8 @@ def sweep_one(
       samples: streamed samples (of `timing.BURST` calls) per config.
       interpret: Pallas interpret mode (off a GPU).
       alignment: the layout's segment multiple.
+      candidates: "pallas" (the Pallas kernel's candidates), "mosaic" (the Mosaic kernel's) or
+        "all"; the heuristic is always timed.
 
     Returns:
       [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
@@ -157,18 +182,36 @@ def sweep_one(
     """
     heuristic = heuristic_of(lay, w, alignment=alignment)
     configs = {"heuristic": heuristic}
-    for changes in CANDIDATES:
+    for changes in CANDIDATES if candidates in ("all", "pallas") else ():
         config = dataclasses.replace(heuristic, **changes)
         fits = w.shape[1] % config.block_n == 0 and alignment % config.block_m == 0
         if config != heuristic and fits:
             configs.setdefault(_describe(config), config)
-    if heuristic.is_fp8_dot and w.dtype == quant.FP8_DTYPE:
+    if candidates in ("all", "pallas") and heuristic.is_fp8_dot and w.dtype == quant.FP8_DTYPE:
         # The heuristic's tiles with the other FP8 accumulation (`GroupedGemmConfig.is_fp8_wgmma`:
         # Hopper's FP8 wgmma, or exact accumulation through mma.sync).
         other = dataclasses.replace(heuristic, is_fp8_wgmma=not heuristic.is_fp8_wgmma)
         configs.setdefault(_describe(other), other)
 
+    if candidates in ("all", "mosaic") and w.dtype == quant.FP8_DTYPE:
+        for config in MOSAIC_CANDIDATES:
+            if alignment % mosaic_fp8_gemm.BLOCK_M == 0 and w.shape[1] % config.tile_n == 0:
+                configs[_describe(config)] = config
+
     def run(config):
+        if isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig):
+            return jax.jit(
+                lambda x, s, ids, w, ws: mosaic_fp8_gemm.mosaic_fp8_gemm_contiguous(
+                    x,
+                    w,
+                    ids,
+                    x_scales=s,
+                    w_scales=ws,
+                    alignment=alignment,
+                    config=config,
+                    interpret=interpret,
+                )
+            )
         return jax.jit(
             lambda x, s, ids, w, ws: gemm_kernels.grouped_gemm_contiguous(
                 x,
@@ -208,6 +251,11 @@ def sweep_one(
 
 
 def _describe(config: Any) -> str:
+    if isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig):
+        return (
+            f"mosaic bm{mosaic_fp8_gemm.BLOCK_M} bn{config.block_n} x{config.num_compute_wgs} wg "
+            f"s{config.max_concurrent_steps}{' chained' if config.is_chained else ''}"
+        )
     return (
         f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
         f"s{config.num_stages}{' T' if config.is_transposed else ''}"
@@ -266,6 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="segment row multiple of the layout (a multiple of 16; default: the layer's own "
         "for each T, 16, 32 or 64 by pairs per expert)",
     )
+    parser.add_argument(
+        "--candidates",
+        choices=CANDIDATE_SETS,
+        default="all",
+        help="which configs beside the heuristic: the Pallas kernel's, the Mosaic GPU FP8 "
+        "kernel's (64-row segments only) or both",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.alignment is not None and (args.alignment < 16 or args.alignment % 16):
@@ -307,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples=args.samples,
                 interpret=not on_gpu,
                 alignment=alignment,
+                candidates=args.candidates,
             )
             for r in results:
                 if "failed" in r:
