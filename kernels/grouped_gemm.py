@@ -540,21 +540,17 @@ class PallasGemm(grouped_gemm.GroupedGemm):
     def masked(
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
     ):
-        num_experts, max_m, k = x.shape
+        num_experts, max_m, _ = x.shape
         del expected_m  # the grid covers every block; blocks past the counts return at once
         config = self._config(num_experts * max_m, w, MIN_BLOCK, x_scales is not None)
-        rows_per_block = -(-max_m // config.block_m) * config.block_m
-        pad = ((0, 0), (0, rows_per_block - max_m), (0, 0))
-        rows = jnp.arange(rows_per_block, dtype=jnp.int32)
-        is_valid = rows[None, :] < num_rows_per_expert.astype(jnp.int32)[:, None]
-        expert_ids = jnp.where(is_valid, jnp.arange(num_experts, dtype=jnp.int32)[:, None], -1)
+        rows, row_scales, expert_ids, rows_per_block = grouped_gemm.masked_as_contiguous(
+            x, x_scales, num_rows_per_expert, config.block_m
+        )
         y = grouped_gemm_contiguous(
-            jnp.pad(x, pad).reshape(num_experts * rows_per_block, k),
+            rows,
             w,
-            expert_ids.reshape(-1),
-            x_scales=None
-            if x_scales is None
-            else jnp.pad(x_scales, pad).reshape(num_experts * rows_per_block, -1),
+            expert_ids,
+            x_scales=row_scales,
             w_scales=w_scales,
             alignment=rows_per_block,
             out_dtype=out_dtype,

@@ -408,21 +408,11 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         del expected_m  # blocks past the counts are skipped
         if x_scales is None:
             raise ValueError("FP8 operands need x_scales and w_scales")
-        num_experts, max_m, k = x.shape
-        rows_per_block = -(-max_m // BLOCK_M) * BLOCK_M
-        pad = ((0, 0), (0, rows_per_block - max_m), (0, 0))
-        rows = jnp.arange(rows_per_block, dtype=jnp.int32)
-        is_valid = rows[None, :] < num_rows_per_expert.astype(jnp.int32)[:, None]
-        expert_ids = jnp.where(is_valid, jnp.arange(num_experts, dtype=jnp.int32)[:, None], -1)
-        y = self._run(
-            jnp.pad(x, pad).reshape(num_experts * rows_per_block, k),
-            w,
-            expert_ids.reshape(-1),
-            jnp.pad(x_scales, pad).reshape(num_experts * rows_per_block, -1),
-            w_scales,
-            rows_per_block,
-            out_dtype,
+        num_experts, max_m, _ = x.shape
+        rows, row_scales, expert_ids, rows_per_block = grouped_gemm.masked_as_contiguous(
+            x, x_scales, num_rows_per_expert, BLOCK_M
         )
+        y = self._run(rows, w, expert_ids, row_scales, w_scales, rows_per_block, out_dtype)
         return y.reshape(num_experts, rows_per_block, -1)[:, :max_m]
 
 

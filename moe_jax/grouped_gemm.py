@@ -168,17 +168,20 @@ class GroupedGemm(abc.ABC):
 # untransposed tiles of `heuristic_config`). With those tiles (a second call): 64: 3998 vs 4669;
 # 96 (T=3072): 5256 vs 5278; 128 (T=4096): 6426 vs 6059. Pallas wins up to 64 and ties at 96:
 # the crossover moves to 64.
-# 2026-12-03 (H200, one call each, `scratch` drivers recorded in BENCHMARKS.md): the Mosaic GPU
-# kernel ("mosaic_fp8": persistent, warp-specialised, TMA-fed) on the same 64-row segments the
-# Pallas kernel takes from 17 pairs per expert, GEMM1 / GEMM2 us: 32 pairs (T=1024) 1957 / 1021
-# vs 2037 / 1001; 64 (T=2048) 2315 / 1165 vs 2476 / 1170; whole layer 3096 vs 3174 and 3692 vs
-# 4019. At 16 pairs (T=512) the Pallas kernel's 32-row segments stay ahead (1836 / 948 us against
-# 1920 / 990 for Mosaic's one-warpgroup form on 64-row segments). So on the contiguous layout
-# "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and up to
-# PALLAS_MAX_PAIRS_PER_EXPERT, Pallas second (the masked layout, measured with Pallas only in the
-# DeepEP low-latency path, keeps Pallas first).
+# 2026-12-03 (H200, BENCHMARKS.md "a Mosaic GPU FP8 grouped GEMM"): the Mosaic GPU kernel
+# ("mosaic_fp8": persistent, warp-specialised, TMA-fed) on the 64-row segments the Pallas kernel
+# also takes from 17 pairs per expert. GEMM1 / GEMM2 us (`gemm_sweep --candidates mosaic`,
+# Mosaic vs Pallas): 32 pairs (T=1024) 1908 / 999 vs 1978 / 975; 64 (T=2048) 2261 / 1159 vs
+# 2383 / 1162. Whole layer, one call (`bench --decode --variants auto pallas mosaic_fp8`, us,
+# Mosaic vs Pallas; DeepGEMM at 96): 16 pairs (T=512) 2988 vs 2846 (Pallas on 32-row segments);
+# 24 (T=768) 3012 vs 3048; 32 (T=1024) 3012 vs 3075; 48 (T=1536) 3084 vs 3149; 64 (T=2048) 3681
+# vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). 128 pairs (T=4096) was not measured.
+# So on the contiguous layout "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and
+# up to MOSAIC_FP8_MAX_PAIRS_PER_EXPERT, Pallas next up to PALLAS_MAX_PAIRS_PER_EXPERT; the
+# masked layout (measured with Pallas only, in the DeepEP low-latency path) keeps Pallas first.
 PALLAS_MAX_PAIRS_PER_EXPERT = 64
 MOSAIC_FP8_MIN_PAIRS_PER_EXPERT = 16
+MOSAIC_FP8_MAX_PAIRS_PER_EXPERT = 96
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:
@@ -188,22 +191,26 @@ def _preference(problem: GemmProblem) -> tuple[str, ...]:
     JAX's Mosaic GPU ragged dot, the Pallas grouped GEMM, then the XLA block loop. With FP8
     weights and few rows per expert (decode) the Pallas grouped GEMM goes first: it pads segments
     to 16-64 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
-    only, so bf16 keeps the general order); on the contiguous layout from 17 to 64 pairs per
-    expert the Mosaic GPU FP8 kernel ("mosaic_fp8", 64-row segments) goes before it, and a
-    problem it cannot take (N not a multiple of its tile) falls through to Pallas. Elsewhere the
-    XLA loop only: the torch backend runs on the CPU as the twin of its GPU path for tests, not to
-    be fast.
+    only, so bf16 keeps the general order); on the contiguous layout from 17 to 96 pairs per
+    expert the Mosaic GPU FP8 kernel ("mosaic_fp8", 64-row segments) goes before it (and before
+    DeepGEMM), and a problem it cannot take (N not a multiple of its tile) falls through.
+    Elsewhere the XLA loop only: the torch backend runs on the CPU as the twin of its GPU path for
+    tests, not to be fast.
     """
     if problem.platform == "gpu":
         tuned = ("deep_gemm", "torch", "mosaic", "xla")
+        general = ("deep_gemm", "torch", "mosaic", "pallas", "xla")
         pairs_per_expert = problem.num_pairs / max(problem.num_experts, 1)
+        is_mosaic_first = (
+            problem.is_fp8
+            and problem.layout == "contiguous"
+            and MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
+            < pairs_per_expert
+            <= MOSAIC_FP8_MAX_PAIRS_PER_EXPERT
+        )
         if problem.is_fp8 and pairs_per_expert <= PALLAS_MAX_PAIRS_PER_EXPERT:
-            is_mosaic_first = (
-                problem.layout == "contiguous"
-                and pairs_per_expert > MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
-            )
             return ("mosaic_fp8", "pallas", *tuned) if is_mosaic_first else ("pallas", *tuned)
-        return ("deep_gemm", "torch", "mosaic", "pallas", "xla")
+        return ("mosaic_fp8", *general) if is_mosaic_first else general
     return ("xla",)
 
 
@@ -228,6 +235,36 @@ def dequant_rows(x: jax.Array, x_scales: jax.Array | None) -> jax.Array:
             raise ValueError(f"{x.dtype=} needs x_scales")
         return quant.dequant_per_token_group(x, x_scales)
     return x
+
+
+def masked_as_contiguous(
+    x: jax.Array, x_scales: jax.Array | None, num_rows_per_expert: jax.Array, block_m: int
+) -> tuple[jax.Array, jax.Array | None, jax.Array, int]:
+    """The masked layout viewed as a contiguous one, for backends with a contiguous kernel.
+
+    Each expert's block of max_m rows, padded to a multiple of `block_m`, becomes one segment;
+    rows at or past the expert's count are padding (expert id -1).
+
+    Args:
+      x: [E, max_m, K] rows; x_scales: float32[E, max_m, K/128] or None.
+      num_rows_per_expert: int[E] valid rows per expert.
+      block_m: the kernel's row block.
+
+    Returns:
+      (rows [E * R, K], row scales [E * R, K/128] or None, expert_ids int32[E * R], R) with R the
+      padded rows per expert; the kernel's [E * R, N] output reshapes to [E, R, N].
+    """
+    num_experts, max_m, k = x.shape
+    rows_per_block = -(-max_m // block_m) * block_m
+    pad = ((0, 0), (0, rows_per_block - max_m), (0, 0))
+    rows = jnp.arange(rows_per_block, dtype=jnp.int32)
+    is_valid = rows[None, :] < num_rows_per_expert.astype(jnp.int32)[:, None]
+    expert_ids = jnp.where(is_valid, jnp.arange(num_experts, dtype=jnp.int32)[:, None], -1)
+    flat_rows = jnp.pad(x, pad).reshape(num_experts * rows_per_block, k)
+    flat_scales = None
+    if x_scales is not None:
+        flat_scales = jnp.pad(x_scales, pad).reshape(num_experts * rows_per_block, -1)
+    return flat_rows, flat_scales, expert_ids.reshape(-1), rows_per_block
 
 
 def dequant_weights(w: jax.Array, w_scales: jax.Array | None) -> jax.Array:

@@ -62,12 +62,17 @@ def test_auto_picks_the_first_backend_in_preference_that_runs(platform):
 
 def test_auto_prefers_the_decode_gemms_for_decode_sizes_on_gpu():
     """Pallas first up to 16 pairs per expert; on the contiguous layout Mosaic's FP8 kernel
-    first above that and up to 64 (Pallas next), the masked layout Pallas; DeepGEMM beyond."""
+    first above that and up to 96 (Pallas next up to 64), the masked layout Pallas up to 64;
+    DeepGEMM beyond."""
     mosaic_from = grouped_gemm.MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
     short = _problem(platform="gpu", num_pairs=4 * mosaic_from)
     longer = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1)
     last = _problem(platform="gpu", num_pairs=4 * grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT)
     prefill = _problem(platform="gpu", num_pairs=4096 * 8)
+    mosaic_last = _problem(
+        platform="gpu", num_pairs=4 * grouped_gemm.MOSAIC_FP8_MAX_PAIRS_PER_EXPERT
+    )
+    assert GEMMS.preference(mosaic_last)[:2] == ("mosaic_fp8", "deep_gemm")
     assert GEMMS.preference(short)[0] == "pallas"
     assert GEMMS.preference(longer)[:2] == GEMMS.preference(last)[:2] == ("mosaic_fp8", "pallas")
     masked = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1, layout="masked")

@@ -268,10 +268,13 @@ def test_interpret_backend_runs_anywhere_but_auto_never_picks_it():
 
 def test_auto_puts_pallas_first_for_few_rows_per_expert_only():
     limit = grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT
+    mosaic_limit = grouped_gemm.MOSAIC_FP8_MAX_PAIRS_PER_EXPERT
     few = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * 16))
     mid = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit))
-    many = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit + 256))
-    assert few[0] == "pallas" and mid[:2] == ("mosaic_fp8", "pallas") and many[0] == "deep_gemm"
+    past_pallas = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit + 256))
+    many = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * mosaic_limit + 256))
+    assert few[0] == "pallas" and mid[:2] == ("mosaic_fp8", "pallas")
+    assert past_pallas[:2] == ("mosaic_fp8", "deep_gemm") and many[0] == "deep_gemm"
     assert many.index("pallas") < many.index("xla")  # faster than the XLA loop as a fallback
     assert grouped_gemm.GEMMS.preference(_problem(platform="cpu")) == ("xla",)
 

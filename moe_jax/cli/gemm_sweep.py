@@ -199,21 +199,13 @@ def sweep_one(
                 configs[_describe(config)] = config
 
     def run(config):
-        if isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig):
-            return jax.jit(
-                lambda x, s, ids, w, ws: mosaic_fp8_gemm.mosaic_fp8_gemm_contiguous(
-                    x,
-                    w,
-                    ids,
-                    x_scales=s,
-                    w_scales=ws,
-                    alignment=alignment,
-                    config=config,
-                    interpret=interpret,
-                )
-            )
+        gemm = (
+            mosaic_fp8_gemm.mosaic_fp8_gemm_contiguous
+            if isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig)
+            else gemm_kernels.grouped_gemm_contiguous
+        )
         return jax.jit(
-            lambda x, s, ids, w, ws: gemm_kernels.grouped_gemm_contiguous(
+            lambda x, s, ids, w, ws: gemm(
                 x,
                 w,
                 ids,
