@@ -48,6 +48,7 @@ BLOCK_M = 64  # rows per tile: one warpgroup's wgmma; the layout's segments are 
 SWIZZLE = 128  # shared-memory swizzle in bytes of the FP8 tiles (one K block row)
 MEMORY_REGISTERS = 40  # registers per thread left to the TMA warpgroup (Mosaic GPU's H100 value)
 INTERPRET_SMS = 3  # persistent programs in interpret mode: several tiles per program
+HOPPER = "9.0"  # the compute capability with wgmma (sm_90)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -334,6 +335,14 @@ def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config):
         )
 
 
+def _compute_capability() -> str | None:
+    """The first local GPU's compute capability ("9.0" on an H100/H200), None if unknown."""
+    try:
+        return getattr(jax.devices("gpu")[0], "compute_capability", None)
+    except RuntimeError:  # no GPU backend
+        return None
+
+
 def _interpret_params():
     """Mosaic GPU's interpret mode (shared memory, TMA and barriers simulated on the CPU)."""
     try:
@@ -366,6 +375,9 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
         if not self.interpret and problem.platform != "gpu":
             return f"Mosaic GPU kernels need an NVIDIA Hopper GPU, not {problem.platform!r}"
+        capability = None if self.interpret else _compute_capability()
+        if capability is not None and capability != HOPPER:
+            return f"Hopper's wgmma needs compute capability {HOPPER}, this GPU has {capability}"
         if problem.x_dtype != "float8_e4m3fn" or problem.w_dtype != "float8_e4m3fn":
             return f"FP8 operands only, got x {problem.x_dtype} and w {problem.w_dtype}"
         if problem.layout not in grouped_gemm.LAYOUTS:

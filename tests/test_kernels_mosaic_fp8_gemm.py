@@ -241,11 +241,18 @@ def _gemm_problem(**changes) -> GemmProblem:
         (dict(layout="ragged"), "layout"),
     ],
 )
-def test_backend_refuses_with_a_reason(changes, reason):
+def test_backend_refuses_with_a_reason(changes, reason, monkeypatch):
+    monkeypatch.setattr(mg, "_compute_capability", lambda: mg.HOPPER)
     backend = grouped_gemm.GEMMS.get("mosaic_fp8")
     assert backend.unsupported_reason(_gemm_problem()) is None
     assert reason in backend.unsupported_reason(_gemm_problem(**changes))
     assert backend.layout_alignment(_gemm_problem()) == 64
+
+
+def test_backend_refuses_gpus_without_wgmma(monkeypatch):
+    monkeypatch.setattr(mg, "_compute_capability", lambda: "10.0")
+    reason = grouped_gemm.GEMMS.get("mosaic_fp8").unsupported_reason(_gemm_problem())
+    assert "compute capability 9.0, this GPU has 10.0" in reason
 
 
 def test_backend_masked_layout_matches_float64_loop():
