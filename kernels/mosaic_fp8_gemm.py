@@ -360,14 +360,21 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     The contiguous layout it asks for pads each expert's segment to 64 rows (`BLOCK_M`), so
     every row block belongs to one expert. The masked layout runs on the same kernel: each
     expert's block of max_m rows, padded to 64, is a segment; blocks past the counts are skipped.
-    `interpret=True` runs the kernel in Mosaic GPU's interpret mode (CPU tests; not registered).
+    `interpret=True` runs the kernel in Mosaic GPU's interpret mode on any platform (registered
+    as "mosaic_fp8_interpret" for CPU tests and the sanitizer driver's twin; "auto" never picks
+    it).
     """
 
-    name = "mosaic_fp8"
-
-    def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
+    def __init__(
+        self,
+        config: MosaicFp8GemmConfig | None = None,
+        *,
+        interpret: bool = False,
+        name: str | None = None,
+    ):
         self.config = MosaicFp8GemmConfig() if config is None else config
         self.interpret = interpret
+        self.name = name or ("mosaic_fp8_interpret" if interpret else "mosaic_fp8")
 
     def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
         return BLOCK_M
@@ -429,3 +436,4 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
 
 
 grouped_gemm.GEMMS.register(MosaicFp8Gemm())
+grouped_gemm.GEMMS.register(MosaicFp8Gemm(interpret=True))

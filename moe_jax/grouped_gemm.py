@@ -222,6 +222,7 @@ GEMMS: Registry[GroupedGemm] = Registry(
         "torch": "moe_jax.interop.torch_gemm",
         "mosaic": "moe_jax.kernels.mosaic_gemm",
         "mosaic_fp8": "moe_jax.kernels.mosaic_fp8_gemm",
+        "mosaic_fp8_interpret": "moe_jax.kernels.mosaic_fp8_gemm",
         "pallas": "moe_jax.kernels.grouped_gemm",
         "pallas_interpret": "moe_jax.kernels.grouped_gemm",
     },

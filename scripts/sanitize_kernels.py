@@ -19,6 +19,8 @@ The kernels, each through its front's registry (the names a user passes):
 - the Pallas grouped GEMM (`GEMMS` "pallas"): the FP8 block-scaled kernel and the unscaled bf16
   one on the contiguous layout, and the FP8 kernel on the masked layout, at decode size (the
   first 256 tokens: where "auto" takes it);
+- moe_jax's Mosaic GPU FP8 grouped GEMM (`GEMMS` "mosaic_fp8": TMA, warp-specialised) on
+  64-row segments at the same decode size;
 - JAX's Mosaic GPU kernels that moe_jax runs: `GEMMS` "mosaic" (ragged_dot, bf16) and `WGRADS`
   "mosaic" (transposed_ragged_dot).
 
@@ -112,9 +114,11 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
         return jax.jit(lambda v: permute.unpermute(v, lay.inverse, topk_weights, impl=impl))(y)
 
     d = shape.decode_tokens
-    # Decode-size layouts (16-row segments for the Pallas GEMM, 128 for Mosaic's groups).
+    # Decode-size layouts (16-row segments for the Pallas GEMM, 64 for the Mosaic FP8 GEMM, 128
+    # for Mosaic's ragged_dot groups).
     decode_fp8 = run_permute("xla", xq[:d], xs[:d], alignment=16, num_tokens=d)
     decode_bf16 = run_permute("xla", x[:d], None, alignment=16, num_tokens=d)
+    decode_fp8_64 = run_permute("xla", xq[:d], xs[:d], alignment=64, num_tokens=d)
     groups_bf16 = run_permute("xla", x[:d], None, num_tokens=d)
     masked = layouts.masked_layout_reference(
         xq[:d], ids[:d], num_experts=e, max_m=shape.max_m, x_scales=xs[:d], expert_map=expert_map
@@ -201,6 +205,13 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
             contiguous_gemm(decode_bf16, w1_bf16, None, 16), "pallas", "pallas_interpret", 1e-2
         ),
         "grouped_gemm_fp8_masked": Kernel(masked_gemm, "pallas", "pallas_interpret", rtol=1e-2),
+        # The Mosaic GPU FP8 GEMM (TMA, warp-specialised) on 64-row segments.
+        "mosaic_gemm_fp8": Kernel(
+            contiguous_gemm(decode_fp8_64, w1q, w1s, 64),
+            "mosaic_fp8",
+            "mosaic_fp8_interpret",
+            rtol=1e-2,
+        ),
         "mosaic_gemm_bf16": Kernel(
             contiguous_gemm(groups_bf16, w1_bf16, None, layouts.DEFAULT_ALIGNMENT),
             "mosaic",

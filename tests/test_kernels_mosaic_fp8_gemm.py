@@ -301,3 +301,12 @@ def test_fused_moe_through_the_backend_matches_the_xla_experts():
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     # The same rounding points on both paths; an FP8 requantization may differ by one step.
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def test_interpret_backend_runs_anywhere_but_auto_never_picks_it():
+    backend = grouped_gemm.GEMMS.get("mosaic_fp8_interpret")
+    assert backend.interpret and backend.unsupported_reason(_gemm_problem(platform="cpu")) is None
+    for platform in ("cpu", "gpu"):
+        for pairs in (8, 256 * 32, 256 * 96, 10**7):
+            names = grouped_gemm.GEMMS.preference(_gemm_problem(platform=platform, num_pairs=pairs))
+            assert "mosaic_fp8_interpret" not in names

@@ -57,11 +57,12 @@ def test_the_driver_covers_every_pallas_kernel_family(driver):
         "grouped_gemm_fp8",
         "grouped_gemm_bf16",
         "grouped_gemm_fp8_masked",
+        "mosaic_gemm_fp8",
         "mosaic_gemm_bf16",
         "mosaic_wgrad_bf16",
         "pallas_wgrad_bf16",
     } == set(runs)
-    assert {k.compiled for k in runs.values()} == {"pallas", "mosaic"}
+    assert {k.compiled for k in runs.values()} == {"pallas", "mosaic", "mosaic_fp8"}
 
 
 def test_unknown_kernel_names_are_refused(driver, capsys):
