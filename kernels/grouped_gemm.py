@@ -279,7 +279,9 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.float16 if dtype == jnp.float16 else jnp.bfloat16
 
 
-def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment):
+def check_operands(x, w, expert_ids, x_scales, w_scales, alignment) -> bool:
+    """Checks a contiguous-layout GEMM's operands (shapes, dtypes, scales, a 16-row multiple
+    alignment), naming the one at fault; True for FP8 operands with block scales."""
     pair = (jnp.dtype(x.dtype).name, jnp.dtype(w.dtype).name)
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"{x.shape=} {w.shape=}: need x [M, K] and w [E, N, K] with one K")
@@ -344,7 +346,7 @@ def grouped_gemm_contiguous(
       >>> y.shape, float(y[0, 0])
       ((16, 16), 32.0)
     """
-    has_scales = _check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
+    has_scales = check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
     num_rows, k = x.shape
     num_experts, n, _ = w.shape
     if config is None:
@@ -439,7 +441,7 @@ def grouped_gemm_contiguous_reference(
     Gathers each row's expert weights ([M, N, K] float32), so keep it to test sizes. Padding rows
     are zero. `alignment` is checked as in the kernel and otherwise unused (rows are independent).
     """
-    _check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
+    check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
     a = grouped_gemm.dequant_rows(x, x_scales).astype(jnp.float32)
     b = grouped_gemm.dequant_weights(w, w_scales).astype(jnp.float32)
     ids = expert_ids.astype(jnp.int32)

@@ -40,9 +40,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm, quant
+from moe_jax import grouped_gemm
+from moe_jax.kernels import grouped_gemm as gemm_kernels
 
-SCALE_BLOCK = 128  # one scale per 128 K columns of x, per 128x128 block of w
+SCALE_BLOCK = gemm_kernels.SCALE_BLOCK  # one scale per 128 K columns of x, 128x128 of w
 BLOCK_K = 128  # K columns per pipeline step: one scale block, 128 FP8 bytes (one swizzle row)
 BLOCK_M = 64  # rows per tile: one warpgroup's wgmma; the layout's segments are multiples of it
 SWIZZLE = 128  # shared-memory swizzle in bytes of the FP8 tiles (one K block row)
@@ -307,28 +308,17 @@ def _block_product(x_smem, w_smem, interpret: bool) -> jax.Array:
 
 
 def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config):
-    fp8 = jnp.dtype(quant.FP8_DTYPE)
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"{x.shape=} {w.shape=}: need x [M, K] and w [E, N, K] with one K")
-    if jnp.dtype(x.dtype) != fp8 or jnp.dtype(w.dtype) != fp8:
+    """The Pallas kernel's checks (`grouped_gemm.check_operands`), then FP8 only, N a multiple
+    of the tile and 64-row segments."""
+    if not gemm_kernels.check_operands(x, w, expert_ids, x_scales, w_scales, alignment):
         raise TypeError(f"x.dtype={x.dtype}, w.dtype={w.dtype}: both must be float8_e4m3fn")
-    if expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-        raise ValueError(f"{x.shape=} but {expert_ids.shape=} {expert_ids.dtype=}: need int[M]")
-    num_experts, n, k = w.shape
-    if n % SCALE_BLOCK or k % SCALE_BLOCK:
-        raise ValueError(f"{w.shape=}: FP8 needs N and K multiples of {SCALE_BLOCK}")
-    groups = (n // SCALE_BLOCK, k // SCALE_BLOCK)
-    if x_scales.shape != (x.shape[0], groups[1]) or w_scales.shape != (num_experts, *groups):
-        raise ValueError(
-            f"{x_scales.shape=} {w_scales.shape=} but [M, K/128] and [E, N/128, K/128] are "
-            f"needed for {x.shape=} {w.shape=}"
-        )
+    n = w.shape[1]
     if n % config.tile_n:
         raise ValueError(
             f"N={n} is not a multiple of the {config.tile_n}-column tile (num_compute_wgs="
             f"{config.num_compute_wgs} x block_n={config.block_n})"
         )
-    if not isinstance(alignment, int) or alignment < 1 or alignment % BLOCK_M:
+    if alignment % BLOCK_M:
         raise ValueError(
             f"{alignment=} but a multiple of {BLOCK_M} rows is needed: a row block would span "
             "experts"
@@ -365,16 +355,10 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     it).
     """
 
-    def __init__(
-        self,
-        config: MosaicFp8GemmConfig | None = None,
-        *,
-        interpret: bool = False,
-        name: str | None = None,
-    ):
+    def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
         self.config = MosaicFp8GemmConfig() if config is None else config
         self.interpret = interpret
-        self.name = name or ("mosaic_fp8_interpret" if interpret else "mosaic_fp8")
+        self.name = "mosaic_fp8_interpret" if interpret else "mosaic_fp8"
 
     def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
         return BLOCK_M
@@ -425,8 +409,6 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
     ):
         del expected_m  # blocks past the counts are skipped
-        if x_scales is None:
-            raise ValueError("FP8 operands need x_scales and w_scales")
         num_experts, max_m, _ = x.shape
         rows, row_scales, expert_ids, rows_per_block = grouped_gemm.masked_as_contiguous(
             x, x_scales, num_rows_per_expert, BLOCK_M
