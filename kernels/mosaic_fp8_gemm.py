@@ -22,6 +22,16 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
             acc += part * (x_scale[rows, kb] * w_scale[e, cols // 128, kb])
         y[rows, cols] = bf16(acc)                 shared memory, then TMA
 
+- row pairs (`row_pairs`): a tile takes two consecutive 64-row blocks of one expert, one per
+  compute warpgroup, over `block_n` columns, so an expert with 65-128 rows streams each weight
+  tile once from HBM instead of twice (once per row block); the second warpgroup skips its wgmma
+  and its store where the expert has no second block there. Tiles start at an expert's even
+  row blocks (0, 2, ...), found from the layout before the launch.
+- grouped order (`group_blocks`, columns split only): an expert's row blocks in groups of
+  `group_blocks` take each column tile one after the other, so the programs reading one weight
+  tile run on neighbouring SMs at the same time and all but the first find it in L2 (with one
+  block per group a block's column tiles run in a row, and an expert's second block reads the
+  weights again about n_tiles tiles later, from HBM once the SMs have drifted apart).
 - chained (`is_chained`): consecutive tiles' pipelines run as one, so the memory warpgroup goes
   on into the next tile's K blocks while the compute warpgroups finish a tile; it needs K / 128
   to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline each).
@@ -58,15 +68,23 @@ class MosaicFp8GemmConfig:
 
     Attributes:
       block_n: output columns per compute warpgroup (64 or 128: within one weight-scale block).
-      num_compute_wgs: compute warpgroups per program (1 or 2); a tile is `tile_n` =
-        num_compute_wgs * block_n columns wide, and N must be a multiple of it.
+      num_compute_wgs: compute warpgroups per program (1 or 2). Without `row_pairs` they split
+        the columns: a tile is `tile_n` = num_compute_wgs * block_n columns wide by 64 rows.
+      row_pairs: the two compute warpgroups split the rows instead: a tile is 128 rows (two
+        64-row blocks of one expert) by `tile_n` = block_n columns. Needs num_compute_wgs=2.
+      group_blocks: without `row_pairs`, order the tiles so that an expert's blocks in groups
+        of this many (a power of two) take each column tile one after the other; 1: a block's
+        column tiles run in a row.
       max_concurrent_steps: K blocks whose TMA copies may be in flight (pipeline slots).
       is_chained: run consecutive tiles' pipelines as one (when K / 128 is a multiple of
         max_concurrent_steps; else each tile runs its own).
+      N must be a multiple of `tile_n`.
     """
 
     block_n: int = 128
     num_compute_wgs: int = 2
+    row_pairs: bool = False
+    group_blocks: int = 1
     max_concurrent_steps: int = 3
     is_chained: bool = False
 
@@ -77,6 +95,20 @@ class MosaicFp8GemmConfig:
             raise ValueError(
                 f"MosaicFp8GemmConfig.num_compute_wgs={self.num_compute_wgs} but 1 or 2 is needed"
             )
+        if self.row_pairs and self.num_compute_wgs != 2:
+            raise ValueError(
+                "MosaicFp8GemmConfig.row_pairs needs num_compute_wgs=2 (one per 64-row block), "
+                f"got {self.num_compute_wgs}"
+            )
+        if self.group_blocks < 1 or self.group_blocks & (self.group_blocks - 1):
+            raise ValueError(
+                f"MosaicFp8GemmConfig.group_blocks={self.group_blocks} but a power of two is needed"
+            )
+        if self.row_pairs and self.group_blocks != 1:
+            raise ValueError(
+                "MosaicFp8GemmConfig.group_blocks orders the tiles of the columns split; with "
+                "row_pairs a tile already holds two blocks: set group_blocks=1"
+            )
         if self.max_concurrent_steps < 1:
             raise ValueError(
                 f"MosaicFp8GemmConfig.max_concurrent_steps={self.max_concurrent_steps} but >= 1 "
@@ -85,7 +117,31 @@ class MosaicFp8GemmConfig:
 
     @property
     def tile_n(self) -> int:
-        return self.num_compute_wgs * self.block_n
+        """Output columns per tile."""
+        return self.block_n if self.row_pairs else self.num_compute_wgs * self.block_n
+
+    @property
+    def tile_m(self) -> int:
+        """Rows per tile (one or two 64-row blocks)."""
+        return 2 * BLOCK_M if self.row_pairs else BLOCK_M
+
+
+# Evidence for `heuristic_config` (H200, 2026-12-03, BENCHMARKS.md "Mosaic GPU FP8 grouped GEMM",
+# DeepSeek-V3 experts, us): with about two row blocks per expert (T=2048: 32512 layout rows for
+# 256 experts) grouping an expert's blocks in pairs takes GEMM1 from 2350 to 2004 (4 slots) and
+# GEMM2 from 1173 to 1079, the layer from 3659 to 3303; at T=4096 the layer from 5629 to 4665; at
+# about 1.5 blocks per expert (T=1024, 24320 rows) pairs are slower (GEMM2 1073 against 1007).
+GROUPED_FROM_BLOCKS_PER_EXPERT = 1.5  # layout rows / (64 * E) above which blocks go in pairs
+
+
+def heuristic_config(*, num_rows: int, num_experts: int) -> MosaicFp8GemmConfig:
+    """The config for a layout of `num_rows` rows over `num_experts` experts: two compute
+    warpgroups of 128 columns; above `GROUPED_FROM_BLOCKS_PER_EXPERT` row blocks per expert
+    on average, an expert's blocks in pairs (`group_blocks=2`) with 4 pipeline slots."""
+    blocks_per_expert = num_rows / (BLOCK_M * max(num_experts, 1))
+    if blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT:
+        return MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
+    return MosaicFp8GemmConfig()
 
 
 def mosaic_fp8_gemm_contiguous(
@@ -111,7 +167,7 @@ def mosaic_fp8_gemm_contiguous(
       w_scales: float32[E, N/128, K/128] block scales.
       alignment: the segments' row multiple, a multiple of 64 (`BLOCK_M`).
       out_dtype: output dtype (bf16 on the FP8 path, or f16/float32).
-      config: tiles; None takes `MosaicFp8GemmConfig()`.
+      config: tiles and order; None takes `heuristic_config`'s.
       num_sms: persistent programs; None: the first local device's SM count (`INTERPRET_SMS`
         in interpret mode).
       interpret: run in Mosaic GPU's interpret mode (CPU tests).
@@ -119,24 +175,23 @@ def mosaic_fp8_gemm_contiguous(
     Returns:
       [M, N] in `out_dtype`; padding rows are unspecified.
     """
-    config = MosaicFp8GemmConfig() if config is None else config
+    if config is None:
+        config = heuristic_config(num_rows=x.shape[0], num_experts=w.shape[0])
     _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config)
     num_rows, k = x.shape
     num_experts, n, _ = w.shape
     if num_rows == 0:
         return jnp.zeros((0, n), out_dtype)
     padded_rows = -(-num_rows // BLOCK_M) * BLOCK_M
-    if padded_rows != num_rows:
-        extra = padded_rows - num_rows
+    # Row pairs read 128 rows from any valid block: one more block keeps the last in bounds.
+    read_rows = padded_rows + (config.tile_m - BLOCK_M)
+    if read_rows != num_rows:
+        extra = read_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         x_scales = jnp.pad(x_scales, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
-    # Each row block's expert, and the valid blocks in order with their count appended.
-    block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
-    num_blocks = block_experts.shape[0]
-    is_valid = (block_experts >= 0) & (block_experts < num_experts)
-    valid_blocks = jnp.nonzero(is_valid, size=num_blocks, fill_value=0)[0].astype(jnp.int32)
-    valid_blocks = jnp.append(valid_blocks, jnp.sum(is_valid, dtype=jnp.int32))
+    block_experts = expert_ids.astype(jnp.int32)[:padded_rows:BLOCK_M]
+    tiles, has_second = _tile_table(block_experts, num_experts, w.shape[1] // config.tile_n, config)
     if num_sms is None:
         num_sms = INTERPRET_SMS if interpret else jax.local_devices()[0].core_count
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -144,7 +199,6 @@ def mosaic_fp8_gemm_contiguous(
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
-            num_blocks=num_blocks,
             num_experts=num_experts,
             n=n,
             k=k,
@@ -162,14 +216,89 @@ def mosaic_fp8_gemm_contiguous(
         interpret=_interpret_params() if interpret else None,
     )
     x_scales_t = x_scales.astype(jnp.float32).T  # [K/128, M]: a row block's scales contiguous
-    y = kernel(block_experts, valid_blocks, x, x_scales_t, w, w_scales.astype(jnp.float32))
+    y = kernel(block_experts, tiles, has_second, x, x_scales_t, w, w_scales.astype(jnp.float32))
     return y[:num_rows]
+
+
+def _tile_table(
+    block_experts: jax.Array, num_experts: int, n_tiles: int, config: MosaicFp8GemmConfig
+) -> tuple[jax.Array, jax.Array]:
+    """The output tiles in the order the persistent programs take them.
+
+    Args:
+      block_experts: int32[B] the expert of each 64-row block (ids outside [0, E) on padding).
+      num_experts: E.
+      n_tiles: column tiles (N / tile_n).
+      config: `row_pairs` (a tile per pair of blocks) or `group_blocks` (the columns split's
+        tiles of a group of blocks alternating at each column tile).
+
+    Returns:
+      tiles int32[S + 1]: tile i is the (first) block `tiles[i] // n_tiles` at column tile
+      `tiles[i] % n_tiles`; tiles[S] is the number of tiles (entries between are 0).
+      has_second int32[B]: with `row_pairs`, 1 where the tile starting at that block also takes
+      the next block.
+    """
+    num_blocks = block_experts.shape[0]
+    group = 2 if config.row_pairs else config.group_blocks
+    starts, group_sizes = _tile_blocks(block_experts, num_experts, group)
+    first, count = starts[:num_blocks], starts[num_blocks]
+    is_started = jnp.arange(num_blocks) < count
+    columns = jnp.arange(n_tiles, dtype=jnp.int32)[None, :, None]
+    if config.row_pairs:  # [pair, column tile, 1]
+        blocks, is_tile = first[:, None, None], is_started[:, None, None]
+    else:  # [group, column tile, block of the group]
+        members = jnp.arange(group, dtype=jnp.int32)[None, None, :]
+        blocks = first[:, None, None] + members
+        is_tile = is_started[:, None, None] & (members < group_sizes[first][:, None, None])
+    codes = blocks * n_tiles + columns
+    shape = jnp.broadcast_shapes(codes.shape, is_tile.shape)
+    codes = jnp.broadcast_to(codes, shape).reshape(-1)
+    is_tile = jnp.broadcast_to(is_tile, shape).reshape(-1)
+    num_tiles = jnp.sum(is_tile, dtype=jnp.int32)
+    order = jnp.nonzero(is_tile, size=is_tile.size, fill_value=0)[0]
+    tiles = jnp.where(jnp.arange(is_tile.size) < num_tiles, codes[order], 0)
+    has_second = (
+        (group_sizes >= 2).astype(jnp.int32) if config.row_pairs else jnp.zeros_like(group_sizes)
+    )
+    return jnp.append(tiles, num_tiles).astype(jnp.int32), has_second
+
+
+def _tile_blocks(
+    block_experts: jax.Array, num_experts: int, group: int
+) -> tuple[jax.Array, jax.Array]:
+    """The row blocks that start a group of `group` blocks of one expert, and the groups' sizes.
+
+    Args:
+      block_experts: int32[B] the expert of each 64-row block (of its first row; padding
+        blocks hold an id outside [0, E)).
+      num_experts: E.
+      group: blocks per group: each expert's blocks 0, group, 2 * group, ... start one.
+
+    Returns:
+      starts int32[B + 1]: the blocks starting a group, in order, then their number (entries
+      between are 0); sizes int32[B]: at a starting block, its group's size (1 to `group`:
+      the expert's blocks from there, capped), 0 elsewhere.
+    """
+    num_blocks = block_experts.shape[0]
+    index = jnp.arange(num_blocks, dtype=jnp.int32)
+    is_valid = (block_experts >= 0) & (block_experts < num_experts)
+    previous = jnp.concatenate([jnp.full((1,), -1, jnp.int32), block_experts[:-1]])
+    following = jnp.concatenate([block_experts[1:], jnp.full((1,), -1, jnp.int32)])
+    # each valid block's segment: its first block and one past its last
+    first = jax.lax.cummax(jnp.where(is_valid & (block_experts != previous), index, 0))
+    is_last = is_valid & (block_experts != following)
+    end = jax.lax.cummin(jnp.where(is_last, index + 1, num_blocks), reverse=True)
+    is_start = is_valid & ((index - first) % group == 0)
+    sizes = jnp.where(is_start, jnp.minimum(end - index, group), 0).astype(jnp.int32)
+    starts = jnp.nonzero(is_start, size=num_blocks, fill_value=0)[0].astype(jnp.int32)
+    return jnp.append(starts, jnp.sum(is_start, dtype=jnp.int32)), sizes
 
 
 def _kernel(
     # inputs
     block_experts_gmem,
-    valid_blocks_gmem,
+    tiles_gmem,
+    has_second_gmem,
     x_gmem,
     xs_gmem,
     w_gmem,
@@ -177,7 +306,6 @@ def _kernel(
     # output
     out_gmem,
     *,
-    num_blocks: int,
     num_experts: int,
     n: int,
     k: int,
@@ -190,7 +318,7 @@ def _kernel(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bm, bn, tile_n = BLOCK_M, config.block_n, config.tile_n
+    bm, bn, tile_n, tile_m = BLOCK_M, config.block_n, config.tile_n, config.tile_m
     k_steps, n_tiles = k // BLOCK_K, n // tile_n
     steps = config.max_concurrent_steps
     is_chained = config.is_chained and k_steps % steps == 0
@@ -202,8 +330,8 @@ def _kernel(
             grid=(k_steps,),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((bm, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
-                plgpu.BlockSpec((1, bm), lambda kb: (kb, 0)),
+                plgpu.BlockSpec((tile_m, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
+                plgpu.BlockSpec((1, tile_m), lambda kb: (kb, 0)),
                 plgpu.BlockSpec((tile_n, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
             ],
             wg_axis="wg",
@@ -217,7 +345,9 @@ def _kernel(
         del args, kwargs
 
     allocations = make_pipeline(ignore, ignore).get_allocations(
-        x_gmem.at[pl.ds(0, bm)], xs_gmem.at[:, pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, tile_n)]
+        x_gmem.at[pl.ds(0, tile_m)],
+        xs_gmem.at[:, pl.ds(0, tile_m)],
+        w_gmem.at[0, pl.ds(0, tile_n)],
     )
 
     @functools.partial(
@@ -230,38 +360,60 @@ def _kernel(
         wg = jax.lax.axis_index("wg")
 
         def run_tile(tile, state=None):
-            """The K pipeline of one output tile (valid row block tile // n_tiles)."""
-            block = valid_blocks_gmem[jax.lax.div(tile, jnp.int32(n_tiles))]
+            """The K pipeline of one output tile (entry `tile` of `_tile_table`)."""
+            code = tiles_gmem[tile]
+            block = jax.lax.div(code, jnp.int32(n_tiles))
             expert = block_experts_gmem[block]
-            col0 = jax.lax.rem(tile, jnp.int32(n_tiles)) * tile_n
-            wg_col0 = col0 + wg * bn  # this compute warpgroup's first output column
+            col0 = jax.lax.rem(code, jnp.int32(n_tiles)) * tile_n
+            if config.row_pairs:  # warpgroup wg takes rows wg * 64 of the tile, all its columns
+                x_row0, wg_col0, w_row0 = wg * bm, col0, 0
+                is_active = (wg == 0) | (has_second_gmem[block] != 0)
+            else:  # warpgroup wg takes columns wg * block_n of the tile, all its rows
+                x_row0, wg_col0, w_row0 = 0, col0 + wg * bn, wg * bn
+                is_active = None
             scale_col = jax.lax.div(wg_col0, jnp.int32(SCALE_BLOCK))
+            x_rows = pl.ds(x_row0, bm)
 
             def step(indices, x_smem, xs_smem, w_smem, acc):
                 (kb,) = indices
-                w_scale = ws_gmem[expert, scale_col, kb]
-                part = _block_product(x_smem, w_smem.at[pl.ds(wg * bn, bn)], interpret)
-                row_scale = xs_smem[0] * w_scale
-                return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
+
+                def accumulate():
+                    w_scale = ws_gmem[expert, scale_col, kb]
+                    part = _block_product(
+                        x_smem.at[x_rows], w_smem.at[pl.ds(w_row0, bn)], interpret
+                    )
+                    row_scale = xs_smem[0, x_rows] * w_scale
+                    return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
+
+                if is_active is None:
+                    return accumulate()
+                return jax.lax.cond(is_active, accumulate, lambda: acc)
 
             def compute_context(eval_pipeline):
                 acc = eval_pipeline(jnp.zeros((bm, bn), jnp.float32))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
-                out_smem[wg] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                rows = pl.ds(block * bm, bm)
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(wg_col0, bn)])
+
+                def store():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
+                    out_smem[wg] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    rows = pl.ds(block * bm + x_row0, bm)
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(wg_col0, bn)])
+
+                if is_active is None:
+                    store()
+                else:
+                    pl.when(is_active)(store)
 
             make_pipeline(step, compute_context, state)(
-                x_gmem.at[pl.ds(block * bm, bm)],
-                xs_gmem.at[:, pl.ds(block * bm, bm)],
+                x_gmem.at[pl.ds(block * bm, tile_m)],
+                xs_gmem.at[:, pl.ds(block * bm, tile_m)],
                 w_gmem.at[expert, pl.ds(col0, tile_n)],
                 allocations=allocations,
             )
 
         # This SM's tiles: sm, sm + num_sms, ... below the valid tiles' count.
         sm = jax.lax.axis_index("sm")
-        num_tiles = valid_blocks_gmem[num_blocks] * n_tiles
+        num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
         my_tiles = jax.lax.div(jnp.maximum(num_tiles - sm, 0) + num_sms - 1, jnp.int32(num_sms))
         if not is_chained:
 
@@ -356,7 +508,7 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     """
 
     def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
-        self.config = MosaicFp8GemmConfig() if config is None else config
+        self.config = config  # None: `heuristic_config` per call
         self.interpret = interpret
         self.name = "mosaic_fp8_interpret" if interpret else "mosaic_fp8"
 
@@ -373,7 +525,8 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
             return f"FP8 operands only, got x {problem.x_dtype} and w {problem.w_dtype}"
         if problem.layout not in grouped_gemm.LAYOUTS:
             return f"layout {problem.layout!r} is not one of {grouped_gemm.LAYOUTS}"
-        tile_n = self.config.tile_n
+        # the heuristic's configs all take 256-column tiles, as the default one
+        tile_n = (self.config or MosaicFp8GemmConfig()).tile_n
         if problem.n % tile_n or problem.k % SCALE_BLOCK:
             return (
                 f"needs N a multiple of {tile_n} and K of {SCALE_BLOCK}, "
@@ -384,7 +537,7 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
             return f"alignment {alignment} is not a multiple of {BLOCK_M} rows"
         return None
 
-    def _run(self, x, w, expert_ids, x_scales, w_scales, alignment, out_dtype):
+    def _run(self, x, w, expert_ids, x_scales, w_scales, alignment, out_dtype, config=None):
         if x_scales is None or w_scales is None:
             raise ValueError("FP8 operands need x_scales and w_scales")
         return mosaic_fp8_gemm_contiguous(
@@ -395,7 +548,7 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
             w_scales=w_scales,
             alignment=alignment,
             out_dtype=out_dtype,
-            config=self.config,
+            config=self.config or config,
             interpret=self.interpret,
         )
 
@@ -408,12 +561,17 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     def masked(
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
     ):
-        del expected_m  # blocks past the counts are skipped
         num_experts, max_m, _ = x.shape
         rows, row_scales, expert_ids, rows_per_block = grouped_gemm.masked_as_contiguous(
             x, x_scales, num_rows_per_expert, BLOCK_M
         )
-        y = self._run(rows, w, expert_ids, row_scales, w_scales, rows_per_block, out_dtype)
+        # Blocks past the counts are skipped; the tile order follows the rows expected per
+        # expert (the capacity max_m when not given) padded as the contiguous layout pads them.
+        expected = max_m if expected_m is None else min(expected_m, max_m)
+        config = heuristic_config(
+            num_rows=num_experts * (expected + BLOCK_M - 1), num_experts=num_experts
+        )
+        y = self._run(rows, w, expert_ids, row_scales, w_scales, rows_per_block, out_dtype, config)
         return y.reshape(num_experts, rows_per_block, -1)[:, :max_m]
 
 

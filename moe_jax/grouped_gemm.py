@@ -175,13 +175,15 @@ class GroupedGemm(abc.ABC):
 # 2383 / 1162. Whole layer, one call (`bench --decode --variants auto pallas mosaic_fp8`, us,
 # Mosaic vs Pallas; DeepGEMM at 96): 16 pairs (T=512) 2988 vs 2846 (Pallas on 32-row segments);
 # 24 (T=768) 3012 vs 3048; 32 (T=1024) 3012 vs 3075; 48 (T=1536) 3084 vs 3149; 64 (T=2048) 3681
-# vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). 128 pairs (T=4096) was not measured.
+# vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). Same day, a later call (11:00 UTC): 128
+# pairs (T=4096) Mosaic 5734 vs "auto" (DeepGEMM) 5997; the prefill shapes stay DeepGEMM's
+# (`bench` shape A, 1024 pairs per expert: 3813 vs 3076; B, 512 pairs: 1098 vs 933).
 # So on the contiguous layout "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and
 # up to MOSAIC_FP8_MAX_PAIRS_PER_EXPERT, Pallas next up to PALLAS_MAX_PAIRS_PER_EXPERT; the
 # masked layout (measured with Pallas only, in the DeepEP low-latency path) keeps Pallas first.
 PALLAS_MAX_PAIRS_PER_EXPERT = 64
 MOSAIC_FP8_MIN_PAIRS_PER_EXPERT = 16
-MOSAIC_FP8_MAX_PAIRS_PER_EXPERT = 96
+MOSAIC_FP8_MAX_PAIRS_PER_EXPERT = 128
 
 
 def _preference(problem: GemmProblem) -> tuple[str, ...]:
@@ -191,9 +193,9 @@ def _preference(problem: GemmProblem) -> tuple[str, ...]:
     JAX's Mosaic GPU ragged dot, the Pallas grouped GEMM, then the XLA block loop. With FP8
     weights and few rows per expert (decode) the Pallas grouped GEMM goes first: it pads segments
     to 16-64 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
-    only, so bf16 keeps the general order); on the contiguous layout from 17 to 96 pairs per
-    expert the Mosaic GPU FP8 kernel ("mosaic_fp8", 64-row segments) goes before it (and before
-    DeepGEMM), and a problem it cannot take (N not a multiple of its tile) falls through.
+    only, so bf16 keeps the general order); on the contiguous layout from 17 to 128 pairs per
+    expert the Mosaic GPU FP8 kernel ("mosaic_fp8", 64-row segments) goes first (before Pallas
+    and DeepGEMM), and a problem it cannot take (N not a multiple of its tile) falls through.
     Elsewhere the XLA loop only: the torch backend runs on the CPU as the twin of its GPU path for
     tests, not to be fast.
     """

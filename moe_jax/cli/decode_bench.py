@@ -62,6 +62,10 @@ SHAPES = {
         name="deepseek_v3", num_experts=256, hidden=7168, intermediate=2048, topk=8
     ),
     "tiny": DecodeShape(name="tiny", num_experts=16, hidden=256, intermediate=128, topk=4),
+    # the prefill bench's expert shapes (`moe_jax.cli.layer_bench.SHAPES` A and B), for
+    # `gemm_sweep --shape` at their token counts (4096 and 8192)
+    "layer_a": DecodeShape(name="layer_a", num_experts=32, hidden=7168, intermediate=2048, topk=8),
+    "layer_b": DecodeShape(name="layer_b", num_experts=128, hidden=2048, intermediate=768, topk=8),
 }
 
 
