@@ -7,8 +7,7 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
 
 - persistent: one program per SM walks the output tiles of the valid row blocks (padding blocks
   are never visited), columns first, so the N tiles of a row block run on neighbouring SMs at
-  once and share its x rows through L2, and the row blocks of one expert stream the same weight
-  tiles at about the same time;
+  once and share its x rows through L2;
 - warp-specialised: a memory warpgroup issues TMA copies of the x tile [64, 128], its scales and
   the weight tile [tile_n, 128] `max_concurrent_steps` K blocks ahead, while one or two compute
   warpgroups each take `block_n` columns of the tile and run Hopper's FP8 wgmma on them;
@@ -22,16 +21,11 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
             acc += part * (x_scale[rows, kb] * w_scale[e, cols // 128, kb])
         y[rows, cols] = bf16(acc)                 shared memory, then TMA
 
-- row pairs (`row_pairs`): a tile takes two consecutive 64-row blocks of one expert, one per
-  compute warpgroup, over `block_n` columns, so an expert with 65-128 rows streams each weight
-  tile once from HBM instead of twice (once per row block); the second warpgroup skips its wgmma
-  and its store where the expert has no second block there. Tiles start at an expert's even
-  row blocks (0, 2, ...), found from the layout before the launch.
-- grouped order (`group_blocks`, columns split only): an expert's row blocks in groups of
-  `group_blocks` take each column tile one after the other, so the programs reading one weight
-  tile run on neighbouring SMs at the same time and all but the first find it in L2 (with one
-  block per group a block's column tiles run in a row, and an expert's second block reads the
-  weights again about n_tiles tiles later, from HBM once the SMs have drifted apart).
+- grouped (`group_blocks`): an expert's row blocks in groups of `group_blocks` take each
+  column tile one after the other, so the programs reading one weight tile run on neighbouring
+  SMs at the same time and all but the first find it in L2 (with groups of one, a block's column
+  tiles run in a row and the expert's next block reads the same weight tiles n_tiles tiles
+  later, from HBM once the SMs have drifted apart);
 - chained (`is_chained`): consecutive tiles' pipelines run as one, so the memory warpgroup goes
   on into the next tile's K blocks while the compute warpgroups finish a tile; it needs K / 128
   to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline each).
@@ -68,22 +62,19 @@ class MosaicFp8GemmConfig:
 
     Attributes:
       block_n: output columns per compute warpgroup (64 or 128: within one weight-scale block).
-      num_compute_wgs: compute warpgroups per program (1 or 2). Without `row_pairs` they split
-        the columns: a tile is `tile_n` = num_compute_wgs * block_n columns wide by 64 rows.
-      row_pairs: the two compute warpgroups split the rows instead: a tile is 128 rows (two
-        64-row blocks of one expert) by `tile_n` = block_n columns. Needs num_compute_wgs=2.
-      group_blocks: without `row_pairs`, order the tiles so that an expert's blocks in groups
-        of this many (a power of two) take each column tile one after the other; 1: a block's
-        column tiles run in a row.
+      num_compute_wgs: compute warpgroups per program (1 or 2), each taking `block_n` columns
+        of a tile `tile_n` = num_compute_wgs * block_n columns wide by 64 rows.
+      group_blocks: order the tiles so that an expert's row blocks in groups of this many (a
+        power of two) take each column tile one after the other; 1: a block's column tiles run
+        in a row.
       max_concurrent_steps: K blocks whose TMA copies may be in flight (pipeline slots).
       is_chained: run consecutive tiles' pipelines as one (when K / 128 is a multiple of
         max_concurrent_steps; else each tile runs its own).
-      N must be a multiple of `tile_n`.
+    N must be a multiple of `tile_n`.
     """
 
     block_n: int = 128
     num_compute_wgs: int = 2
-    row_pairs: bool = False
     group_blocks: int = 1
     max_concurrent_steps: int = 3
     is_chained: bool = False
@@ -95,19 +86,9 @@ class MosaicFp8GemmConfig:
             raise ValueError(
                 f"MosaicFp8GemmConfig.num_compute_wgs={self.num_compute_wgs} but 1 or 2 is needed"
             )
-        if self.row_pairs and self.num_compute_wgs != 2:
-            raise ValueError(
-                "MosaicFp8GemmConfig.row_pairs needs num_compute_wgs=2 (one per 64-row block), "
-                f"got {self.num_compute_wgs}"
-            )
         if self.group_blocks < 1 or self.group_blocks & (self.group_blocks - 1):
             raise ValueError(
                 f"MosaicFp8GemmConfig.group_blocks={self.group_blocks} but a power of two is needed"
-            )
-        if self.row_pairs and self.group_blocks != 1:
-            raise ValueError(
-                "MosaicFp8GemmConfig.group_blocks orders the tiles of the columns split; with "
-                "row_pairs a tile already holds two blocks: set group_blocks=1"
             )
         if self.max_concurrent_steps < 1:
             raise ValueError(
@@ -118,12 +99,7 @@ class MosaicFp8GemmConfig:
     @property
     def tile_n(self) -> int:
         """Output columns per tile."""
-        return self.block_n if self.row_pairs else self.num_compute_wgs * self.block_n
-
-    @property
-    def tile_m(self) -> int:
-        """Rows per tile (one or two 64-row blocks)."""
-        return 2 * BLOCK_M if self.row_pairs else BLOCK_M
+        return self.num_compute_wgs * self.block_n
 
 
 # Evidence for `heuristic_config` (H200, 2026-12-03, BENCHMARKS.md "Mosaic GPU FP8 grouped GEMM",
@@ -183,15 +159,13 @@ def mosaic_fp8_gemm_contiguous(
     if num_rows == 0:
         return jnp.zeros((0, n), out_dtype)
     padded_rows = -(-num_rows // BLOCK_M) * BLOCK_M
-    # Row pairs read 128 rows from any valid block: one more block keeps the last in bounds.
-    read_rows = padded_rows + (config.tile_m - BLOCK_M)
-    if read_rows != num_rows:
-        extra = read_rows - num_rows
+    if padded_rows != num_rows:
+        extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         x_scales = jnp.pad(x_scales, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
-    block_experts = expert_ids.astype(jnp.int32)[:padded_rows:BLOCK_M]
-    tiles, has_second = _tile_table(block_experts, num_experts, w.shape[1] // config.tile_n, config)
+    block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
+    tiles = _tile_table(block_experts, num_experts, n // config.tile_n, config.group_blocks)
     if num_sms is None:
         num_sms = INTERPRET_SMS if interpret else jax.local_devices()[0].core_count
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -216,51 +190,40 @@ def mosaic_fp8_gemm_contiguous(
         interpret=_interpret_params() if interpret else None,
     )
     x_scales_t = x_scales.astype(jnp.float32).T  # [K/128, M]: a row block's scales contiguous
-    y = kernel(block_experts, tiles, has_second, x, x_scales_t, w, w_scales.astype(jnp.float32))
+    y = kernel(block_experts, tiles, x, x_scales_t, w, w_scales.astype(jnp.float32))
     return y[:num_rows]
 
 
-def _tile_table(
-    block_experts: jax.Array, num_experts: int, n_tiles: int, config: MosaicFp8GemmConfig
-) -> tuple[jax.Array, jax.Array]:
+def _tile_table(block_experts: jax.Array, num_experts: int, n_tiles: int, group: int) -> jax.Array:
     """The output tiles in the order the persistent programs take them.
 
     Args:
       block_experts: int32[B] the expert of each 64-row block (ids outside [0, E) on padding).
       num_experts: E.
       n_tiles: column tiles (N / tile_n).
-      config: `row_pairs` (a tile per pair of blocks) or `group_blocks` (the columns split's
-        tiles of a group of blocks alternating at each column tile).
+      group: `MosaicFp8GemmConfig.group_blocks`: an expert's blocks in groups of this many
+        take each column tile in turn.
 
     Returns:
-      tiles int32[S + 1]: tile i is the (first) block `tiles[i] // n_tiles` at column tile
-      `tiles[i] % n_tiles`; tiles[S] is the number of tiles (entries between are 0).
-      has_second int32[B]: with `row_pairs`, 1 where the tile starting at that block also takes
-      the next block.
+      int32[B * n_tiles * group + 1]: tile i is block `tiles[i] // n_tiles` at column tile
+      `tiles[i] % n_tiles`; the last entry is the number of tiles S (entries from S on are 0).
     """
     num_blocks = block_experts.shape[0]
-    group = 2 if config.row_pairs else config.group_blocks
     starts, group_sizes = _tile_blocks(block_experts, num_experts, group)
     first, count = starts[:num_blocks], starts[num_blocks]
-    is_started = jnp.arange(num_blocks) < count
+    # [group, column tile, block of the group]
+    members = jnp.arange(group, dtype=jnp.int32)[None, None, :]
     columns = jnp.arange(n_tiles, dtype=jnp.int32)[None, :, None]
-    if config.row_pairs:  # [pair, column tile, 1]
-        blocks, is_tile = first[:, None, None], is_started[:, None, None]
-    else:  # [group, column tile, block of the group]
-        members = jnp.arange(group, dtype=jnp.int32)[None, None, :]
-        blocks = first[:, None, None] + members
-        is_tile = is_started[:, None, None] & (members < group_sizes[first][:, None, None])
-    codes = blocks * n_tiles + columns
-    shape = jnp.broadcast_shapes(codes.shape, is_tile.shape)
+    is_started = (jnp.arange(num_blocks) < count)[:, None, None]
+    is_tile = is_started & (members < group_sizes[first][:, None, None])
+    codes = (first[:, None, None] + members) * n_tiles + columns
+    shape = (num_blocks, n_tiles, group)
     codes = jnp.broadcast_to(codes, shape).reshape(-1)
     is_tile = jnp.broadcast_to(is_tile, shape).reshape(-1)
     num_tiles = jnp.sum(is_tile, dtype=jnp.int32)
     order = jnp.nonzero(is_tile, size=is_tile.size, fill_value=0)[0]
     tiles = jnp.where(jnp.arange(is_tile.size) < num_tiles, codes[order], 0)
-    has_second = (
-        (group_sizes >= 2).astype(jnp.int32) if config.row_pairs else jnp.zeros_like(group_sizes)
-    )
-    return jnp.append(tiles, num_tiles).astype(jnp.int32), has_second
+    return jnp.append(tiles, num_tiles).astype(jnp.int32)
 
 
 def _tile_blocks(
@@ -298,7 +261,6 @@ def _kernel(
     # inputs
     block_experts_gmem,
     tiles_gmem,
-    has_second_gmem,
     x_gmem,
     xs_gmem,
     w_gmem,
@@ -318,7 +280,7 @@ def _kernel(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    bm, bn, tile_n, tile_m = BLOCK_M, config.block_n, config.tile_n, config.tile_m
+    bm, bn, tile_n = BLOCK_M, config.block_n, config.tile_n
     k_steps, n_tiles = k // BLOCK_K, n // tile_n
     steps = config.max_concurrent_steps
     is_chained = config.is_chained and k_steps % steps == 0
@@ -330,8 +292,8 @@ def _kernel(
             grid=(k_steps,),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((tile_m, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
-                plgpu.BlockSpec((1, tile_m), lambda kb: (kb, 0)),
+                plgpu.BlockSpec((bm, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
+                plgpu.BlockSpec((1, bm), lambda kb: (kb, 0)),
                 plgpu.BlockSpec((tile_n, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
             ],
             wg_axis="wg",
@@ -345,9 +307,7 @@ def _kernel(
         del args, kwargs
 
     allocations = make_pipeline(ignore, ignore).get_allocations(
-        x_gmem.at[pl.ds(0, tile_m)],
-        xs_gmem.at[:, pl.ds(0, tile_m)],
-        w_gmem.at[0, pl.ds(0, tile_n)],
+        x_gmem.at[pl.ds(0, bm)], xs_gmem.at[:, pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, tile_n)]
     )
 
     @functools.partial(
@@ -365,48 +325,27 @@ def _kernel(
             block = jax.lax.div(code, jnp.int32(n_tiles))
             expert = block_experts_gmem[block]
             col0 = jax.lax.rem(code, jnp.int32(n_tiles)) * tile_n
-            if config.row_pairs:  # warpgroup wg takes rows wg * 64 of the tile, all its columns
-                x_row0, wg_col0, w_row0 = wg * bm, col0, 0
-                is_active = (wg == 0) | (has_second_gmem[block] != 0)
-            else:  # warpgroup wg takes columns wg * block_n of the tile, all its rows
-                x_row0, wg_col0, w_row0 = 0, col0 + wg * bn, wg * bn
-                is_active = None
+            wg_col0 = col0 + wg * bn  # this compute warpgroup's first output column
             scale_col = jax.lax.div(wg_col0, jnp.int32(SCALE_BLOCK))
-            x_rows = pl.ds(x_row0, bm)
 
             def step(indices, x_smem, xs_smem, w_smem, acc):
                 (kb,) = indices
-
-                def accumulate():
-                    w_scale = ws_gmem[expert, scale_col, kb]
-                    part = _block_product(
-                        x_smem.at[x_rows], w_smem.at[pl.ds(w_row0, bn)], interpret
-                    )
-                    row_scale = xs_smem[0, x_rows] * w_scale
-                    return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
-
-                if is_active is None:
-                    return accumulate()
-                return jax.lax.cond(is_active, accumulate, lambda: acc)
+                w_scale = ws_gmem[expert, scale_col, kb]
+                part = _block_product(x_smem, w_smem.at[pl.ds(wg * bn, bn)], interpret)
+                row_scale = xs_smem[0] * w_scale
+                return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
 
             def compute_context(eval_pipeline):
                 acc = eval_pipeline(jnp.zeros((bm, bn), jnp.float32))
-
-                def store():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
-                    out_smem[wg] = acc.astype(out_dtype)
-                    plgpu.commit_smem()
-                    rows = pl.ds(block * bm + x_row0, bm)
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(wg_col0, bn)])
-
-                if is_active is None:
-                    store()
-                else:
-                    pl.when(is_active)(store)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
+                out_smem[wg] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                rows = pl.ds(block * bm, bm)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(wg_col0, bn)])
 
             make_pipeline(step, compute_context, state)(
-                x_gmem.at[pl.ds(block * bm, tile_m)],
-                xs_gmem.at[:, pl.ds(block * bm, tile_m)],
+                x_gmem.at[pl.ds(block * bm, bm)],
+                xs_gmem.at[:, pl.ds(block * bm, bm)],
                 w_gmem.at[expert, pl.ds(col0, tile_n)],
                 allocations=allocations,
             )

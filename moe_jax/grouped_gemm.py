@@ -175,9 +175,11 @@ class GroupedGemm(abc.ABC):
 # 2383 / 1162. Whole layer, one call (`bench --decode --variants auto pallas mosaic_fp8`, us,
 # Mosaic vs Pallas; DeepGEMM at 96): 16 pairs (T=512) 2988 vs 2846 (Pallas on 32-row segments);
 # 24 (T=768) 3012 vs 3048; 32 (T=1024) 3012 vs 3075; 48 (T=1536) 3084 vs 3149; 64 (T=2048) 3681
-# vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). Same day, a later call (11:00 UTC): 128
-# pairs (T=4096) Mosaic 5734 vs "auto" (DeepGEMM) 5997; the prefill shapes stay DeepGEMM's
-# (`bench` shape A, 1024 pairs per expert: 3813 vs 3076; B, 512 pairs: 1098 vs 933).
+# vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). Later the same day (10:36-13:36 UTC
+# session), with an expert's row blocks in pairs (`mosaic_fp8_gemm.heuristic_config`), Mosaic vs
+# DeepGEMM in one call: 128 pairs (T=4096) 4730 vs 5711; 192 (T=6144) 6317 vs 6162; 256
+# (T=8192) 7995 vs 7813; the prefill shapes (`bench` A, 1024 pairs per expert: 3554 vs 3005;
+# B, 512: 1136 vs 941). So the Mosaic kernel goes first up to 128 pairs per expert.
 # So on the contiguous layout "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and
 # up to MOSAIC_FP8_MAX_PAIRS_PER_EXPERT, Pallas next up to PALLAS_MAX_PAIRS_PER_EXPERT; the
 # masked layout (measured with Pallas only, in the DeepEP low-latency path) keeps Pallas first.

@@ -38,12 +38,12 @@ CONFIGS = [
         mg.MosaicFp8GemmConfig(is_chained=True, max_concurrent_steps=2),
         id="chained",
     ),
-    # tiles of two 64-row blocks of one expert, one per warpgroup (odd block counts leave the
-    # second warpgroup idle on an expert's last tile)
     pytest.param(mg.MosaicFp8GemmConfig(group_blocks=2, block_n=64), id="pairs_bn64"),
     pytest.param(mg.MosaicFp8GemmConfig(group_blocks=4), id="groups_of_4"),
-    pytest.param(mg.MosaicFp8GemmConfig(row_pairs=True, block_n=64), id="row_pairs_bn64"),
-    pytest.param(mg.MosaicFp8GemmConfig(row_pairs=True, is_chained=True), id="row_pairs_chained"),
+    pytest.param(
+        mg.MosaicFp8GemmConfig(group_blocks=2, is_chained=True, max_concurrent_steps=2),
+        id="pairs_chained",
+    ),
 ]
 
 
@@ -144,38 +144,37 @@ def test_rows_not_a_multiple_of_block_m(interpret):
 
 
 @pytest.mark.parametrize(
-    ("changes", "tiles", "seconds"),
+    ("group", "tiles", "sizes"),
     [
-        # every valid block's two column tiles in a row; no second blocks
-        (dict(), [(b, n) for b in range(6) for n in (0, 1)], []),
+        # every valid block's two column tiles in a row
+        (1, [(b, n) for b in range(6) for n in (0, 1)], [1, 1, 1, 1, 1, 1, 0, 0]),
         # an expert's blocks 2j and 2j+1 alternate at each column tile
         (
-            dict(group_blocks=2),
+            2,
             [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
             + [(4, 0), (5, 0), (4, 1), (5, 1)],
-            [],
+            [2, 0, 1, 1, 2, 0, 0, 0],
         ),
         # groups of 4: expert 0's three blocks alternate
         (
-            dict(group_blocks=4),
+            4,
             [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (3, 1)]
             + [(4, 0), (5, 0), (4, 1), (5, 1)],
-            [],
+            [3, 0, 0, 1, 2, 0, 0, 0],
         ),
-        # a tile per pair: expert 0's blocks 0-1 and 2, expert 1's 3, expert 2's 4-5
-        (dict(row_pairs=True), [(b, n) for b in (0, 2, 3, 4) for n in (0, 1)], [0, 4]),
     ],
 )
-def test_tile_table(changes, tiles, seconds):
-    """Tiles start at each expert's blocks (or its even blocks, in pairs); padding blocks (ids
-    -1 and E=4) start none."""
+def test_tile_table(group, tiles, sizes):
+    """Expert 0 has blocks 0-2, expert 1 block 3, expert 2 blocks 4-5; the padding blocks (ids
+    -1 and E=4) get no tile. Two column tiles."""
     block_experts = jnp.asarray([0, 0, 0, 1, 2, 2, -1, 4], jnp.int32)
-    config = mg.MosaicFp8GemmConfig(**changes)
-    table, has_second = mg._tile_table(block_experts, 4, 2, config)
+    table = mg._tile_table(block_experts, 4, 2, group)
     count = int(table[-1])
+    assert table.shape == (8 * 2 * group + 1,)
     assert count == len(tiles) and not np.any(np.asarray(table[count:-1]))
     assert [(int(c) // 2, int(c) % 2) for c in table[:count]] == tiles
-    assert np.flatnonzero(np.asarray(has_second)).tolist() == seconds
+    _, group_sizes = mg._tile_blocks(block_experts, 4, group)
+    assert group_sizes.tolist() == sizes
 
 
 def test_heuristic_groups_blocks_in_pairs_past_one_and_a_half_blocks_per_expert():
@@ -185,7 +184,7 @@ def test_heuristic_groups_blocks_in_pairs_past_one_and_a_half_blocks_per_expert(
     one_by_one = mg.heuristic_config(num_rows=24320, num_experts=256)
     pairs = mg.heuristic_config(num_rows=32512, num_experts=256)
     assert one_by_one == mg.MosaicFp8GemmConfig()
-    assert pairs.group_blocks == 2 and not pairs.row_pairs
+    assert pairs.group_blocks == 2
     assert one_by_one.tile_n == pairs.tile_n == mg.MosaicFp8GemmConfig().tile_n
 
 
@@ -253,8 +252,6 @@ def test_refuses_with_a_reason(changes, error, match):
         dict(block_n=256),
         dict(max_concurrent_steps=0),
         dict(num_compute_wgs=3),
-        dict(row_pairs=True, num_compute_wgs=1),
-        dict(row_pairs=True, group_blocks=2),
         dict(group_blocks=3),
     ],
 )

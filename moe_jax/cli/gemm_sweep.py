@@ -87,30 +87,22 @@ CANDIDATES = tuple(
 
 
 # The Mosaic GPU FP8 kernel's configs (`moe_jax.kernels.mosaic_fp8_gemm`), timed on layouts of
-# 64-row segments beside the Pallas kernel's: two compute warpgroups splitting a 64-row tile's
-# columns (an expert's row blocks in groups of 1-16 taking each column tile in turn) or (row
-# pairs) a 128-row tile's rows, with 3-4 pipeline slots, one pipeline per tile or chained
-# across tiles.
+# 64-row segments beside the Pallas kernel's: two compute warpgroups of 128 columns, an expert's
+# row blocks in groups of 1-16 taking each column tile in turn, 3-4 pipeline slots, one pipeline
+# per tile or chained across tiles.
 MOSAIC_CANDIDATES = tuple(
     mosaic_fp8_gemm.MosaicFp8GemmConfig(
-        block_n=bn,
-        num_compute_wgs=2,
-        row_pairs=group == 0,
-        group_blocks=max(group, 1),
-        max_concurrent_steps=steps,
-        is_chained=chained,
+        block_n=128, group_blocks=group, max_concurrent_steps=steps, is_chained=chained
     )
-    for bn, group, steps, chained in (  # group 0: row pairs
-        (128, 1, 3, False),
-        (128, 1, 4, False),
-        (128, 1, 4, True),
-        (128, 2, 3, False),
-        (128, 2, 4, False),
-        (128, 4, 4, False),
-        (128, 16, 4, False),
-        (128, 2, 4, True),
-        (128, 0, 4, False),
-        (128, 0, 4, True),
+    for group, steps, chained in (
+        (1, 3, False),
+        (1, 4, False),
+        (1, 4, True),
+        (2, 3, False),
+        (2, 4, False),
+        (2, 4, True),
+        (4, 4, False),
+        (16, 4, False),
     )
 )
 CANDIDATE_SETS = ("all", "pallas", "mosaic")
@@ -256,10 +248,10 @@ def sweep_one(
 
 def _describe(config: Any) -> str:
     if isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig):
-        split = "rows" if config.row_pairs else f"cols g{config.group_blocks}"
         return (
-            f"mosaic bm{config.tile_m} bn{config.tile_n} {config.num_compute_wgs} wg {split} "
-            f"s{config.max_concurrent_steps}{' chained' if config.is_chained else ''}"
+            f"mosaic bm{mosaic_fp8_gemm.BLOCK_M} bn{config.tile_n} {config.num_compute_wgs} wg "
+            f"g{config.group_blocks} s{config.max_concurrent_steps}"
+            f"{' chained' if config.is_chained else ''}"
         )
     return (
         f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
