@@ -19,6 +19,7 @@ import pytest
 from moe_jax import fused_moe
 from moe_jax.experts import ContiguousExperts
 from moe_jax.fp8_training import Fp8Training
+from moe_jax.kernels.mosaic_fp8_gemm import MosaicFp8Gemm, MosaicFp8GemmConfig
 
 FP8_TOL = 8e-2
 T, H, I, E, K = 8, 128, 128, 4, 2  # noqa: E741 - DESIGN.md's dimension names
@@ -31,6 +32,16 @@ RECIPE_EXPERTS = [
         ContiguousExperts(gemm="torch", wgrad="torch", recipe=Fp8Training()),
         id="torch",
         marks=NEEDS_TORCH,
+    ),
+    # the Mosaic GPU FP8 GEMM (interpret mode) for the forward and the dgrad GEMMs, with
+    # 128-column tiles so that H = I = 128 fit
+    pytest.param(
+        ContiguousExperts(
+            gemm=MosaicFp8Gemm(MosaicFp8GemmConfig(block_n=64), interpret=True),
+            recipe=Fp8Training(quant_impl="xla"),
+        ),
+        id="mosaic_fp8_interpret",
+        marks=pytest.mark.slow,
     ),
 ]
 
