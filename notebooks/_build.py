@@ -460,6 +460,9 @@ float32. A decode step's floor is reading the active experts' weights once ("lim
 `decode_results.json` next to this notebook is the H200 run of 2026-12-02 on code e33f5c2
 (BENCHMARKS.md, "Decode-size layers": the Pallas grouped GEMM on 16-, 32- or 64-row segments by
 pairs per expert): "auto" with the Pallas grouped GEMM and DeepGEMM beside it, T=1 to 2048.
+Since 2026-12-03 "auto" takes the Mosaic GPU kernel `mosaic_fp8` from 17 to 128 pairs per expert
+(T=2048: 3305 us in BENCHMARKS.md against 4758 in this file); a run with
+`--variants auto pallas mosaic_fp8 deep_gemm` shows it here.
 """),
     code("""
 def load_results(env_var, default, command):
@@ -476,7 +479,7 @@ if decode is not None:
     env = decode["environment"]
     print(f"{env.get('device')}, jax {env.get('jax')}, {env.get('date')}")
     rows = decode["rows"]
-    names = [n for n in ("auto", "pallas", "deep_gemm", "deep_gemm_masked")
+    names = [n for n in ("auto", "pallas", "mosaic_fp8", "deep_gemm", "deep_gemm_masked")
              if n in rows[0]["variants"]]
     print(f"{'T':>5} {'experts':>8} {'limit us':>9}" + "".join(f"{n:>18}" for n in names))
     for r in rows:
