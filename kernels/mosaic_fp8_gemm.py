@@ -442,9 +442,9 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     every row block belongs to one expert. The masked layout runs on the same kernel: each
     expert's block of max_m rows, padded to 64, is a segment; blocks past the counts are skipped.
     Without a `config` each call takes `heuristic_config`'s for its layout (on the masked layout,
-    for `expected_m` rows per expert when given). `interpret=True` runs the kernel in Mosaic GPU's interpret mode on any platform (registered
-    as "mosaic_fp8_interpret" for CPU tests and the sanitizer driver's twin; "auto" never picks
-    it).
+    for `expected_m` rows per expert when given). `interpret=True` runs the kernel in Mosaic
+    GPU's interpret mode on any platform (registered as "mosaic_fp8_interpret" for CPU tests and
+    the sanitizer driver's twin; "auto" never picks it).
     """
 
     def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
