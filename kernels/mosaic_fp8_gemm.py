@@ -23,9 +23,9 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
 
 - grouped (`group_blocks`): an expert's row blocks in groups of `group_blocks` take each
   column tile one after the other, so the programs reading one weight tile run on neighbouring
-  SMs at the same time and all but the first find it in L2 (with groups of one, a block's column
-  tiles run in a row and the expert's next block reads the same weight tiles n_tiles tiles
-  later, from HBM once the SMs have drifted apart);
+  SMs at the same time and all but the first can find it in L2 (with groups of one, a block's
+  column tiles run in a row and the expert's next block reads the same weight tiles n_tiles
+  tiles later, by then likely from HBM again: GEMM1 at T=2048 timed as if it did);
 - chained (`is_chained`): consecutive tiles' pipelines run as one, so the memory warpgroup goes
   on into the next tile's K blocks while the compute warpgroups finish a tile; it needs K / 128
   to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline each).
