@@ -209,14 +209,13 @@ def _tile_table(block_experts: jax.Array, num_experts: int, n_tiles: int, group:
       `tiles[i] % n_tiles`; the last entry is the number of tiles S (entries from S on are 0).
     """
     num_blocks = block_experts.shape[0]
-    starts, group_sizes = _tile_blocks(block_experts, num_experts, group)
-    first, count = starts[:num_blocks], starts[num_blocks]
-    # [group, column tile, block of the group]
+    group_sizes = _group_sizes(block_experts, num_experts, group)
+    # [block starting a group (or none: size 0), column tile, block of the group]
+    first = jnp.arange(num_blocks, dtype=jnp.int32)[:, None, None]
     members = jnp.arange(group, dtype=jnp.int32)[None, None, :]
     columns = jnp.arange(n_tiles, dtype=jnp.int32)[None, :, None]
-    is_started = (jnp.arange(num_blocks) < count)[:, None, None]
-    is_tile = is_started & (members < group_sizes[first][:, None, None])
-    codes = (first[:, None, None] + members) * n_tiles + columns
+    is_tile = members < group_sizes[:, None, None]
+    codes = (first + members) * n_tiles + columns
     shape = (num_blocks, n_tiles, group)
     codes = jnp.broadcast_to(codes, shape).reshape(-1)
     is_tile = jnp.broadcast_to(is_tile, shape).reshape(-1)
@@ -226,10 +225,8 @@ def _tile_table(block_experts: jax.Array, num_experts: int, n_tiles: int, group:
     return jnp.append(tiles, num_tiles).astype(jnp.int32)
 
 
-def _tile_blocks(
-    block_experts: jax.Array, num_experts: int, group: int
-) -> tuple[jax.Array, jax.Array]:
-    """The row blocks that start a group of `group` blocks of one expert, and the groups' sizes.
+def _group_sizes(block_experts: jax.Array, num_experts: int, group: int) -> jax.Array:
+    """The size of the group of `group` blocks of one expert that each row block starts.
 
     Args:
       block_experts: int32[B] the expert of each 64-row block (of its first row; padding
@@ -238,9 +235,8 @@ def _tile_blocks(
       group: blocks per group: each expert's blocks 0, group, 2 * group, ... start one.
 
     Returns:
-      starts int32[B + 1]: the blocks starting a group, in order, then their number (entries
-      between are 0); sizes int32[B]: at a starting block, its group's size (1 to `group`:
-      the expert's blocks from there, capped), 0 elsewhere.
+      int32[B]: at a block starting a group, the group's size (1 to `group`: the expert's blocks
+      from there, capped); 0 at every other block and at padding blocks.
     """
     num_blocks = block_experts.shape[0]
     index = jnp.arange(num_blocks, dtype=jnp.int32)
@@ -252,9 +248,7 @@ def _tile_blocks(
     is_last = is_valid & (block_experts != following)
     end = jax.lax.cummin(jnp.where(is_last, index + 1, num_blocks), reverse=True)
     is_start = is_valid & ((index - first) % group == 0)
-    sizes = jnp.where(is_start, jnp.minimum(end - index, group), 0).astype(jnp.int32)
-    starts = jnp.nonzero(is_start, size=num_blocks, fill_value=0)[0].astype(jnp.int32)
-    return jnp.append(starts, jnp.sum(is_start, dtype=jnp.int32)), sizes
+    return jnp.where(is_start, jnp.minimum(end - index, group), 0).astype(jnp.int32)
 
 
 def _kernel(

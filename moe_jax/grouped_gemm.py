@@ -179,7 +179,7 @@ class GroupedGemm(abc.ABC):
 # session), with an expert's row blocks in pairs (`mosaic_fp8_gemm.heuristic_config`), Mosaic vs
 # DeepGEMM in one call: 128 pairs (T=4096) 4730 vs 5711; 192 (T=6144) 6317 vs 6162; 256
 # (T=8192) 7995 vs 7813; the prefill shapes (`bench` A, 1024 pairs per expert: 3554 vs 3005;
-# B, 512: 1136 vs 941). So the Mosaic kernel goes first up to 128 pairs per expert.
+# B, 512: 1136 vs 941).
 # So on the contiguous layout "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and
 # up to MOSAIC_FP8_MAX_PAIRS_PER_EXPERT, Pallas next up to PALLAS_MAX_PAIRS_PER_EXPERT; the
 # masked layout (measured with Pallas only, in the DeepEP low-latency path) keeps Pallas first.

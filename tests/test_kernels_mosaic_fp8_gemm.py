@@ -173,8 +173,7 @@ def test_tile_table(group, tiles, sizes):
     assert table.shape == (8 * 2 * group + 1,)
     assert count == len(tiles) and not np.any(np.asarray(table[count:-1]))
     assert [(int(c) // 2, int(c) % 2) for c in table[:count]] == tiles
-    _, group_sizes = mg._tile_blocks(block_experts, 4, group)
-    assert group_sizes.tolist() == sizes
+    assert mg._group_sizes(block_experts, 4, group).tolist() == sizes
 
 
 def test_heuristic_groups_blocks_in_pairs_past_one_and_a_half_blocks_per_expert():
