@@ -28,7 +28,13 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
   tiles later, by then likely from HBM again: GEMM1 at T=2048 timed as if it did);
 - chained (`is_chained`): consecutive tiles' pipelines run as one, so the memory warpgroup goes
   on into the next tile's K blocks while the compute warpgroups finish a tile; it needs K / 128
-  to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline each).
+  to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline each);
+- overlapped (`is_overlapped`, opt-in, not yet timed on a GPU): each pipeline step carries two K
+  blocks and a compute warpgroup puts both wgmmas in flight (two accumulators) before it scales
+  the first, so the scaling of one block runs beside the next block's wgmma instead of after it.
+  On the H200 the kernel's time did not follow its loaded bytes (128-row tiles that load 40% fewer
+  bytes per product but run two wgmma-wait-scale chains per warpgroup per K block took twice as
+  long; BENCHMARKS.md, 2026-12-03 13:42-16:42 UTC): this targets that chain.
 
 Interpret mode (`interpret=True`, CPU tests) runs all of this on Mosaic GPU's interpreter except
 the wgmma itself, which its interpreter cannot take from a transposed shared-memory view: the same
@@ -54,6 +60,7 @@ SWIZZLE = 128  # shared-memory swizzle in bytes of the FP8 tiles (one K block ro
 MEMORY_REGISTERS = 40  # registers per thread left to the TMA warpgroup (Mosaic GPU's H100 value)
 INTERPRET_SMS = 3  # persistent programs in interpret mode: several tiles per program
 HOPPER = "9.0"  # the compute capability with wgmma (sm_90)
+SMEM_LIMIT = 227 * 1024  # shared memory one Hopper program may ask for (opt-in maximum)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +77,11 @@ class MosaicFp8GemmConfig:
       max_concurrent_steps: K blocks whose TMA copies may be in flight (pipeline slots).
       is_chained: run consecutive tiles' pipelines as one (when K / 128 is a multiple of
         max_concurrent_steps; else each tile runs its own).
+      is_overlapped: each compute warpgroup puts the wgmmas of two K blocks in flight and
+        scales the first block's products into its sum while the second runs, instead of
+        waiting for each wgmma before scaling it. The pipeline then moves two K blocks per step
+        (`max_concurrent_steps` counts those steps); K must be a multiple of 256 (else the tiles
+        run one block per step).
     N must be a multiple of `tile_n`.
     """
 
@@ -78,6 +90,7 @@ class MosaicFp8GemmConfig:
     group_blocks: int = 1
     max_concurrent_steps: int = 3
     is_chained: bool = False
+    is_overlapped: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128):
@@ -97,9 +110,22 @@ class MosaicFp8GemmConfig:
             )
 
     @property
+    def k_blocks_per_step(self) -> int:
+        """128-wide K blocks per pipeline step: 2 when overlapped, else 1."""
+        return 2 if self.is_overlapped else 1
+
+    @property
     def tile_n(self) -> int:
         """Output columns per tile."""
         return self.num_compute_wgs * self.block_n
+
+    def smem_bytes(self, out_dtype: jnp.dtype) -> int:
+        """Shared memory one program asks for: the pipeline's slots (x, its scales and the
+        weight tile per K block) and every compute warpgroup's output staging."""
+        slot = self.k_blocks_per_step * (BLOCK_M * BLOCK_K + 4 * BLOCK_M + self.tile_n * BLOCK_K)
+        return (
+            self.max_concurrent_steps * slot + BLOCK_M * self.tile_n * jnp.dtype(out_dtype).itemsize
+        )
 
 
 # Evidence for `heuristic_config` (H200, 2026-12-03, BENCHMARKS.md "Mosaic GPU FP8 grouped GEMM",
@@ -153,7 +179,7 @@ def mosaic_fp8_gemm_contiguous(
     """
     if config is None:
         config = heuristic_config(num_rows=x.shape[0], num_experts=w.shape[0])
-    _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config)
+    _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype)
     num_rows, k = x.shape
     num_experts, n, _ = w.shape
     if num_rows == 0:
@@ -277,18 +303,21 @@ def _kernel(
     bm, bn, tile_n = BLOCK_M, config.block_n, config.tile_n
     k_steps, n_tiles = k // BLOCK_K, n // tile_n
     steps = config.max_concurrent_steps
-    is_chained = config.is_chained and k_steps % steps == 0
+    is_overlapped = config.is_overlapped and k_steps % 2 == 0
+    per_step = 2 if is_overlapped else 1  # K blocks per pipeline step
+    is_chained = config.is_chained and (k_steps // per_step) % steps == 0
     transforms = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
 
     def make_pipeline(step, compute_context, state=None):
+        block_k = per_step * BLOCK_K
         return plgpu.emit_pipeline_warp_specialized(
             step,
-            grid=(k_steps,),
+            grid=(k_steps // per_step,),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((bm, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
-                plgpu.BlockSpec((1, bm), lambda kb: (kb, 0)),
-                plgpu.BlockSpec((tile_n, BLOCK_K), lambda kb: (0, kb), transforms=transforms),
+                plgpu.BlockSpec((bm, block_k), lambda s: (0, s), transforms=transforms),
+                plgpu.BlockSpec((per_step, bm), lambda s: (s, 0)),
+                plgpu.BlockSpec((tile_n, block_k), lambda s: (0, s), transforms=transforms),
             ],
             wg_axis="wg",
             num_compute_wgs=config.num_compute_wgs,
@@ -322,12 +351,41 @@ def _kernel(
             wg_col0 = col0 + wg * bn  # this compute warpgroup's first output column
             scale_col = jax.lax.div(wg_col0, jnp.int32(SCALE_BLOCK))
 
+            def scaled(part, row_scale):
+                return part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
+
             def step(indices, x_smem, xs_smem, w_smem, acc):
                 (kb,) = indices
                 w_scale = ws_gmem[expert, scale_col, kb]
                 part = _block_product(x_smem, w_smem.at[pl.ds(wg * bn, bn)], interpret)
-                row_scale = xs_smem[0] * w_scale
-                return acc + part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
+                return acc + scaled(part, xs_smem[0] * w_scale)
+
+            def overlapped_step(indices, x_smem, xs_smem, w_smem, acc):
+                """K blocks 2s and 2s + 1: both wgmmas in flight, the first scaled while the
+                second runs."""
+                (s,) = indices
+                w_chunk = w_smem.at[pl.ds(wg * bn, bn)]
+                halves = [
+                    (
+                        x_smem.at[:, pl.ds(h * BLOCK_K, BLOCK_K)],
+                        w_chunk.at[:, pl.ds(h * BLOCK_K, BLOCK_K)],
+                    )
+                    for h in range(2)
+                ]
+                scales = [xs_smem[h] * ws_gmem[expert, scale_col, 2 * s + h] for h in range(2)]
+                if interpret:  # no asynchronous wgmma: the same sums in the same order
+                    for h in range(2):
+                        acc = acc + scaled(_block_product(*halves[h], interpret), scales[h])
+                    return acc
+
+                def products(first, second):
+                    for ref, (x_half, w_half) in zip((first, second), halves, strict=True):
+                        plgpu.wgmma(ref, x_half, plgpu.transpose_ref(w_half, (1, 0)))
+                    out = acc + scaled(plgpu.wgmma_accumulator_load(first, wait_n=1), scales[0])
+                    return out + scaled(plgpu.wgmma_accumulator_load(second, wait_n=0), scales[1])
+
+                acc_type = plgpu.ACC((bm, bn), jnp.float32)
+                return pl.run_scoped(products, acc_type, acc_type)
 
             def compute_context(eval_pipeline):
                 acc = eval_pipeline(jnp.zeros((bm, bn), jnp.float32))
@@ -337,7 +395,7 @@ def _kernel(
                 rows = pl.ds(block * bm, bm)
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(wg_col0, bn)])
 
-            make_pipeline(step, compute_context, state)(
+            make_pipeline(overlapped_step if is_overlapped else step, compute_context, state)(
                 x_gmem.at[pl.ds(block * bm, bm)],
                 xs_gmem.at[:, pl.ds(block * bm, bm)],
                 w_gmem.at[expert, pl.ds(col0, tile_n)],
@@ -392,9 +450,9 @@ def _block_product(x_smem, w_smem, interpret: bool) -> jax.Array:
     return pl.run_scoped(product, plgpu.ACC((x_smem.shape[0], w_smem.shape[0]), jnp.float32))
 
 
-def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config):
+def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype):
     """The Pallas kernel's checks (`grouped_gemm.check_operands`), then FP8 only, N a multiple
-    of the tile and 64-row segments."""
+    of the tile, 64-row segments and the config's shared memory within a Hopper program's."""
     if not gemm_kernels.check_operands(x, w, expert_ids, x_scales, w_scales, alignment):
         raise TypeError(f"x.dtype={x.dtype}, w.dtype={w.dtype}: both must be float8_e4m3fn")
     n = w.shape[1]
@@ -407,6 +465,12 @@ def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config):
         raise ValueError(
             f"{alignment=} but a multiple of {BLOCK_M} rows is needed: a row block would span "
             "experts"
+        )
+    smem = config.smem_bytes(out_dtype)
+    if smem > SMEM_LIMIT:
+        raise ValueError(
+            f"{config} with {jnp.dtype(out_dtype).name} output asks for {smem} bytes of shared "
+            f"memory, over the {SMEM_LIMIT} a program may have: lower max_concurrent_steps"
         )
 
 

@@ -25,6 +25,10 @@ from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.kernels import mosaic_fp8_gemm as mg
 
+# Interpret mode runs on the CPU device on GPU hosts (conftest); the compiled cases (marked gpu)
+# stay on the GPU.
+pytestmark = pytest.mark.mosaic_interpret
+
 FP8_TOL = {jnp.float32: dict(rtol=2e-3, atol=2e-3), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 IMPLS = [
     pytest.param(True, id="interpret"),
@@ -43,6 +47,15 @@ CONFIGS = [
     pytest.param(
         mg.MosaicFp8GemmConfig(group_blocks=2, is_chained=True, max_concurrent_steps=2),
         id="pairs_chained",
+    ),
+    # two K blocks per step, both wgmmas in flight (K=384 has 3 blocks: one per step there)
+    pytest.param(
+        mg.MosaicFp8GemmConfig(is_overlapped=True, group_blocks=2, max_concurrent_steps=2),
+        id="overlapped_pairs",
+    ),
+    pytest.param(
+        mg.MosaicFp8GemmConfig(is_overlapped=True, is_chained=True, max_concurrent_steps=1),
+        id="overlapped_chained",
     ),
 ]
 
@@ -257,6 +270,20 @@ def test_refuses_with_a_reason(changes, error, match):
 def test_config_checks(changes):
     with pytest.raises(ValueError, match="MosaicFp8GemmConfig"):
         mg.MosaicFp8GemmConfig(**changes)
+
+
+def test_refuses_a_config_over_the_shared_memory_of_a_program():
+    """Five pipeline slots of the 64 x 256 tile with float32 output ask for 266 KiB (227 KiB
+    fit); four with bf16 output, the heuristic's largest, 197 KiB."""
+    config = mg.MosaicFp8GemmConfig(max_concurrent_steps=5)
+    assert config.smem_bytes(jnp.float32) == 5 * (64 * 128 + 4 * 64 + 256 * 128) + 64 * 256 * 4
+    with pytest.raises(ValueError, match="lower max_concurrent_steps"):
+        _call(config=config, out_dtype=jnp.float32)
+    heuristic = mg.heuristic_config(num_rows=32512, num_experts=256)
+    assert heuristic.smem_bytes(jnp.bfloat16) < mg.SMEM_LIMIT
+    # overlapped, a step's slot holds two K blocks
+    overlapped = mg.MosaicFp8GemmConfig(is_overlapped=True, max_concurrent_steps=2)
+    assert overlapped.smem_bytes(jnp.bfloat16) == heuristic.smem_bytes(jnp.bfloat16)
 
 
 def test_interpret_mode_is_deterministic():

@@ -32,6 +32,7 @@ OFF_GPU = pytest.mark.skipif(
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic_interpret  # and the Pallas Triton kernels' interpret mode, on the CPU device
 def test_every_kernel_runs_and_matches_xla_in_interpret_mode(driver, capsys):
     assert driver.main([], interpret=True, shape=driver.SHAPE_TINY) == 0
     out = capsys.readouterr().out

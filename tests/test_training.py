@@ -41,7 +41,7 @@ RECIPE_EXPERTS = [
             recipe=Fp8Training(quant_impl="xla"),
         ),
         id="mosaic_fp8_interpret",
-        marks=pytest.mark.slow,
+        marks=[pytest.mark.slow, pytest.mark.mosaic_interpret],
     ),
 ]
 

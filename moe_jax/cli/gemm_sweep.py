@@ -89,20 +89,28 @@ CANDIDATES = tuple(
 # The Mosaic GPU FP8 kernel's configs (`moe_jax.kernels.mosaic_fp8_gemm`), timed on layouts of
 # 64-row segments beside the Pallas kernel's: two compute warpgroups of 128 columns, an expert's
 # row blocks in groups of 1-16 taking each column tile in turn, 3-4 pipeline slots, one pipeline
-# per tile or chained across tiles.
+# per tile or chained across tiles; then two K blocks per step with both wgmmas in flight (2
+# slots of those hold as many blocks as 4 of the others).
 MOSAIC_CANDIDATES = tuple(
     mosaic_fp8_gemm.MosaicFp8GemmConfig(
-        block_n=128, group_blocks=group, max_concurrent_steps=steps, is_chained=chained
+        block_n=128,
+        group_blocks=group,
+        max_concurrent_steps=steps,
+        is_chained=chained,
+        is_overlapped=overlapped,
     )
-    for group, steps, chained in (
-        (1, 3, False),
-        (1, 4, False),
-        (1, 4, True),
-        (2, 3, False),
-        (2, 4, False),
-        (2, 4, True),
-        (4, 4, False),
-        (16, 4, False),
+    for group, steps, chained, overlapped in (
+        (1, 3, False, False),
+        (1, 4, False, False),
+        (1, 4, True, False),
+        (2, 3, False, False),
+        (2, 4, False, False),
+        (2, 4, True, False),
+        (4, 4, False, False),
+        (16, 4, False, False),
+        (1, 2, False, True),
+        (2, 2, False, True),
+        (2, 2, True, True),
     )
 )
 CANDIDATE_SETS = ("all", "pallas", "mosaic")
@@ -252,6 +260,7 @@ def _describe(config: Any) -> str:
             f"mosaic bm{mosaic_fp8_gemm.BLOCK_M} bn{config.tile_n} {config.num_compute_wgs} wg "
             f"g{config.group_blocks} s{config.max_concurrent_steps}"
             f"{' chained' if config.is_chained else ''}"
+            f"{' overlapped' if config.is_overlapped else ''}"
         )
     return (
         f"bm{config.block_m} bn{config.block_n} bk{config.block_k} w{config.num_warps} "
