@@ -27,8 +27,9 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
   column tiles run in a row and the expert's next block reads the same weight tiles n_tiles
   tiles later, by then likely from HBM again: GEMM1 at T=2048 timed as if it did);
 - chained (`is_chained`): consecutive tiles' pipelines run as one, so the memory warpgroup goes
-  on into the next tile's K blocks while the compute warpgroups finish a tile; it needs K / 128
-  to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline each);
+  on into the next tile's K blocks while the compute warpgroups finish a tile; it needs a tile's
+  pipeline steps to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline
+  each);
 - overlapped (`is_overlapped`, opt-in, not yet timed on a GPU): each pipeline step carries two K
   blocks and a compute warpgroup puts both wgmmas in flight (two accumulators) before it scales
   the first, so the scaling of one block runs beside the next block's wgmma instead of after it.
@@ -74,9 +75,11 @@ class MosaicFp8GemmConfig:
       group_blocks: order the tiles so that an expert's row blocks in groups of this many (a
         power of two) take each column tile one after the other; 1: a block's column tiles run
         in a row.
-      max_concurrent_steps: K blocks whose TMA copies may be in flight (pipeline slots).
-      is_chained: run consecutive tiles' pipelines as one (when K / 128 is a multiple of
-        max_concurrent_steps; else each tile runs its own).
+      max_concurrent_steps: pipeline steps whose TMA copies may be in flight (slots of one K
+        block each, two when overlapped).
+      is_chained: run consecutive tiles' pipelines as one (when a tile's steps, K / 128 or
+        K / 256 when overlapped, are a multiple of max_concurrent_steps; else each tile runs
+        its own).
       is_overlapped: each compute warpgroup puts the wgmmas of two K blocks in flight and
         scales the first block's products into its sum while the second runs, instead of
         waiting for each wgmma before scaling it. The pipeline then moves two K blocks per step

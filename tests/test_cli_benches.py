@@ -2,6 +2,7 @@
 on the CPU."""
 
 import json
+import os
 
 import jax
 import pytest
@@ -76,7 +77,7 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     monkeypatch.setattr(gemm_sweep, "MOSAIC_CANDIDATES", (groups[1], groups[2]))
     path = tmp_path / "sweep.json"
     argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1"]
-    argv += ["--alignment", "64", "--candidates", "mosaic", "--json", str(path)]
+    argv += ["--alignment", "64", "--candidates", "mosaic", "--ptxas", "--json", str(path)]
     assert gemm_sweep.main(argv) == 0
     (entry,) = json.loads(path.read_text())["report"]
     names = {r["config"] for r in entry["results"]}
@@ -84,6 +85,30 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     assert "heuristic" in names and sum(n.startswith("mosaic") for n in names) == 2
     assert any(" g1 " in n for n in names) and any(" g2 " in n for n in names)
     assert all("failed" not in r for r in entry["results"]), entry["results"]
+    # --ptxas: ptxas' registers where Mosaic GPU compiled the kernel, else why there are none
+    mosaic = [r for r in entry["results"] if r["config"].startswith("mosaic")]
+    if jax.default_backend() == "gpu":
+        assert all(r["registers"] > 0 and r["spill_stores"] >= 0 for r in mosaic), mosaic
+    else:
+        assert all(r["ptxas"].startswith("no report") for r in mosaic), mosaic
+    assert gemm_sweep.PTXAS_ENV not in os.environ
+
+
+PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'mosaic_gpu_body' for 'sm_90a'
+ptxas info    : Function properties for mosaic_gpu_body
+    24 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 392 bytes cmem[0]
+ptxas info    : Function properties for helper
+    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 40 registers
+"""
+
+
+def test_ptxas_usage_reads_registers_and_spills():
+    usage = gemm_sweep.ptxas_usage(PTXAS_LOG)
+    assert usage == gemm_sweep.PtxasUsage(registers=168, spill_stores=32, spill_loads=24)
+    assert gemm_sweep.ptxas_usage("no compiler output here") is None
 
 
 def test_gemm_sweep_defaults_to_the_layers_own_alignment():

@@ -18,14 +18,21 @@ active experts' FP8 weights and scales over the time), best first:
 
 This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config`. Without a GPU it
 runs the tiny shape in interpret mode (slow, but the command can be tested anywhere).
+
+`--ptxas` adds each Mosaic config's registers per thread and spilled bytes, from ptxas' own report
+when Mosaic GPU compiles it (`MOSAIC_GPU_DUMP_PTXAS`): spills to local memory cost a kernel whose
+time follows its warpgroups' serial chains.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +43,7 @@ import numpy as np
 
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import decode_bench
+from moe_jax.cli.kernel_sass import captured_stdout
 from moe_jax.cli.timing import rel_error, time_calls
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 from moe_jax.kernels import mosaic_fp8_gemm
@@ -114,6 +122,48 @@ MOSAIC_CANDIDATES = tuple(
     )
 )
 CANDIDATE_SETS = ("all", "pallas", "mosaic")
+PTXAS_ENV = "MOSAIC_GPU_DUMP_PTXAS"  # set while compiling: Mosaic GPU prints ptxas' report
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasUsage:
+    """ptxas' resource report of one compiled kernel.
+
+    Attributes:
+      registers: registers per thread (the most any function of the report uses).
+      spill_stores: bytes spilled to local memory, summed over the functions.
+      spill_loads: bytes loaded back from those spills.
+    """
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+def ptxas_usage(log: str) -> PtxasUsage | None:
+    """The resource usage in ptxas' verbose output (`ptxas -v`), None if `log` holds none."""
+    registers = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
+    if not registers:
+        return None
+    stores = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
+    loads = sum(int(m) for m in re.findall(r"(\d+) bytes spill loads", log))
+    return PtxasUsage(registers=max(registers), spill_stores=stores, spill_loads=loads)
+
+
+@contextlib.contextmanager
+def ptxas_report():
+    """Runs a first (compiling) call with Mosaic GPU's ptxas report on; yields the StringIO that
+    collects what it prints to standard output."""
+    previous = os.environ.get(PTXAS_ENV)
+    os.environ[PTXAS_ENV] = "1"
+    try:
+        with captured_stdout() as printed:
+            yield printed
+    finally:
+        if previous is None:
+            del os.environ[PTXAS_ENV]
+        else:
+            os.environ[PTXAS_ENV] = previous
 
 
 def _layout(
@@ -174,6 +224,7 @@ def sweep_one(
     interpret: bool,
     alignment: int = ALIGNMENT,
     candidates: str = "all",
+    ptxas: bool = False,
 ) -> list[dict]:
     """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM, and
     the Mosaic GPU kernel's `MOSAIC_CANDIDATES` where the layout and N allow them.
@@ -187,10 +238,13 @@ def sweep_one(
       alignment: the layout's segment multiple.
       candidates: "pallas" (the Pallas kernel's candidates), "mosaic" (the Mosaic kernel's) or
         "all"; the heuristic is always timed.
+      ptxas: compile each Mosaic config with ptxas' report on (`ptxas_report`).
 
     Returns:
-      [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from the
-      heuristic's by more than `TOLERANCE`, or that fails to run, is {config, failed} at the end.
+      [{config, us, gbs, rel_to_heuristic}], best first, Mosaic configs with `ptxas` also
+      {registers, spill_stores, spill_loads} (or ptxas: why there is none); a config whose
+      output differs from the heuristic's by more than `TOLERANCE`, or that fails to run, is
+      {config, failed} at the end.
     """
     heuristic = heuristic_of(lay, w, alignment=alignment)
     configs = {"heuristic": heuristic}
@@ -236,8 +290,19 @@ def sweep_one(
     results = []
     for name, config in configs.items():
         fn = run(config)
+        usage = {}
         try:
-            got = fn(*operands)
+            if ptxas and isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig):
+                with ptxas_report() as printed:
+                    got = jax.block_until_ready(fn(*operands))
+                report = ptxas_usage(printed.getvalue())
+                usage = (
+                    dataclasses.asdict(report)
+                    if report
+                    else dict(ptxas="no report (interpret mode, or not compiled by this call)")
+                )
+            else:
+                got = fn(*operands)
             error = rel_error(got[valid], want[valid])
             if error > TOLERANCE:
                 results.append(dict(config=name, failed=f"differs from the heuristic: {error:.2e}"))
@@ -249,9 +314,21 @@ def sweep_one(
             results.append(dict(config=name, failed=f"{type(failure).__name__}: {failure}"[:200]))
             continue
         us = timing.streamed_ms * 1e3
-        results.append(dict(config=name, us=us, gbs=num_bytes / us / 1e3, rel_to_heuristic=error))
+        results.append(
+            dict(config=name, us=us, gbs=num_bytes / us / 1e3, rel_to_heuristic=error, **usage)
+        )
     results.sort(key=lambda r: r.get("us", float("inf")))
     return results
+
+
+def _usage(result: dict) -> str:
+    """ptxas' figures of a result, as printed after its time ("" without --ptxas)."""
+    if "registers" in result:
+        return (
+            f" {result['registers']} registers, spills {result['spill_stores']} B stored"
+            f" {result['spill_loads']} B loaded"
+        )
+    return f" ptxas: {result['ptxas']}" if "ptxas" in result else ""
 
 
 def _describe(config: Any) -> str:
@@ -327,6 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="which configs beside the heuristic: the Pallas kernel's, the Mosaic GPU FP8 "
         "kernel's (64-row segments only) or both",
     )
+    parser.add_argument(
+        "--ptxas",
+        action="store_true",
+        help="report each Mosaic config's registers and spills (ptxas, when compiled on a GPU)",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.alignment is not None and (args.alignment < 16 or args.alignment % 16):
@@ -369,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 interpret=not on_gpu,
                 alignment=alignment,
                 candidates=args.candidates,
+                ptxas=args.ptxas,
             )
             for r in results:
                 if "failed" in r:
@@ -376,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     print(
                         f"  {r['config']:<22} {r['us']:9.1f} us {r['gbs']:7.0f} GB/s "
-                        f"(vs heuristic {r['rel_to_heuristic']:.1e})",
+                        f"(vs heuristic {r['rel_to_heuristic']:.1e}){_usage(r)}",
                         flush=True,
                     )
             entry["results"] = results

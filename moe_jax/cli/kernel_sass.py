@@ -180,7 +180,7 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
 
     pl.pallas_call = pallas_call_with_debug
     try:
-        with _captured_stdout() as printed:
+        with captured_stdout() as printed:
             # A fresh function each time: a cached trace would not call pallas_call again.
             jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
@@ -198,7 +198,7 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
 
 
 @contextlib.contextmanager
-def _captured_stdout():
+def captured_stdout():
     """Captures what is written to standard output, by Python and by native code (MLIR prints
     the module from C++ to file descriptor 1), into the StringIO it yields."""
     captured = io.StringIO()
