@@ -103,12 +103,19 @@ ptxas info    : Function properties for helper
     0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
 ptxas info    : Used 40 registers
 """
+SERIALIZED = (
+    "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
+    "serialized due to insufficient register resources for the wgmma pipeline in the function "
+    "'mosaic_gpu_body'\n"
+)
 
 
-def test_ptxas_usage_reads_registers_and_spills():
+def test_ptxas_usage_reads_registers_spills_and_serialized_wgmma():
     usage = gemm_sweep.ptxas_usage(PTXAS_LOG)
     assert usage == gemm_sweep.PtxasUsage(registers=168, spill_stores=32, spill_loads=24)
     assert gemm_sweep.ptxas_usage("no compiler output here") is None
+    (reason,) = gemm_sweep.ptxas_usage(PTXAS_LOG + SERIALIZED * 2).wgmma_serialized
+    assert reason.startswith("insufficient register resources for the wgmma pipeline")
 
 
 def test_gemm_sweep_defaults_to_the_layers_own_alignment():

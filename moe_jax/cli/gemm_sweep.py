@@ -133,11 +133,14 @@ class PtxasUsage:
       registers: registers per thread (the most any function of the report uses).
       spill_stores: bytes spilled to local memory, summed over the functions.
       spill_loads: bytes loaded back from those spills.
+      wgmma_serialized: ptxas' reasons for serializing the wgmmas (its "Potential Performance
+        Loss" notes: each wgmma then waits for the previous one), empty if it did not.
     """
 
     registers: int
     spill_stores: int
     spill_loads: int
+    wgmma_serialized: tuple[str, ...] = ()
 
 
 def ptxas_usage(log: str) -> PtxasUsage | None:
@@ -147,7 +150,13 @@ def ptxas_usage(log: str) -> PtxasUsage | None:
         return None
     stores = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
     loads = sum(int(m) for m in re.findall(r"(\d+) bytes spill loads", log))
-    return PtxasUsage(registers=max(registers), spill_stores=stores, spill_loads=loads)
+    serialized = re.findall(r"wgmma\.mma_async instructions are serialized due to ([^\n.]+)", log)
+    return PtxasUsage(
+        registers=max(registers),
+        spill_stores=stores,
+        spill_loads=loads,
+        wgmma_serialized=tuple(dict.fromkeys(s.strip() for s in serialized)),
+    )
 
 
 @contextlib.contextmanager
@@ -324,9 +333,11 @@ def sweep_one(
 def _usage(result: dict) -> str:
     """ptxas' figures of a result, as printed after its time ("" without --ptxas)."""
     if "registers" in result:
+        serialized = "; ".join(result["wgmma_serialized"])
         return (
             f" {result['registers']} registers, spills {result['spill_stores']} B stored"
             f" {result['spill_loads']} B loaded"
+            + (f", wgmma serialized: {serialized}" if serialized else "")
         )
     return f" ptxas: {result['ptxas']}" if "ptxas" in result else ""
 
