@@ -19,9 +19,10 @@ active experts' FP8 weights and scales over the time), best first:
 This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config`. Without a GPU it
 runs the tiny shape in interpret mode (slow, but the command can be tested anywhere).
 
-`--ptxas` adds each Mosaic config's registers per thread and spilled bytes, from ptxas' own report
-when Mosaic GPU compiles it (`MOSAIC_GPU_DUMP_PTXAS`): spills to local memory cost a kernel whose
-time follows its warpgroups' serial chains.
+`--ptxas` adds each Mosaic config's registers per thread, spilled bytes and any reason ptxas gives
+for serializing its wgmmas, from ptxas' own report when Mosaic GPU compiles it
+(`MOSAIC_GPU_DUMP_PTXAS`): spills and serialized wgmmas cost a kernel whose time follows its
+warpgroups' serial chains.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def sweep_one(
 
     Returns:
       [{config, us, gbs, rel_to_heuristic}], best first, Mosaic configs with `ptxas` also
-      {registers, spill_stores, spill_loads} (or ptxas: why there is none); a config whose
+      the fields of `PtxasUsage` (or ptxas: why there are none); a config whose
       output differs from the heuristic's by more than `TOLERANCE`, or that fails to run, is
       {config, failed} at the end.
     """
@@ -300,18 +301,18 @@ def sweep_one(
     for name, config in configs.items():
         fn = run(config)
         usage = {}
+        reported = ptxas and isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig)
         try:
-            if ptxas and isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig):
-                with ptxas_report() as printed:
-                    got = jax.block_until_ready(fn(*operands))
+            # the first call compiles: with `reported`, under ptxas' report
+            with ptxas_report() if reported else contextlib.nullcontext() as printed:
+                got = fn(*operands)
+            if reported:
                 report = ptxas_usage(printed.getvalue())
                 usage = (
                     dataclasses.asdict(report)
                     if report
                     else dict(ptxas="no report (interpret mode, or not compiled by this call)")
                 )
-            else:
-                got = fn(*operands)
             error = rel_error(got[valid], want[valid])
             if error > TOLERANCE:
                 results.append(dict(config=name, failed=f"differs from the heuristic: {error:.2e}"))
@@ -418,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ptxas",
         action="store_true",
-        help="report each Mosaic config's registers and spills (ptxas, when compiled on a GPU)",
+        help="report each Mosaic config's registers, spills and serialized wgmmas (ptxas, when "
+        "compiled on a GPU)",
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
