@@ -30,12 +30,14 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
   on into the next tile's K blocks while the compute warpgroups finish a tile; it needs a tile's
   pipeline steps to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline
   each);
-- overlapped (`is_overlapped`, opt-in, not yet timed on a GPU): each pipeline step carries two K
-  blocks and a compute warpgroup puts both wgmmas in flight (two accumulators) before it scales
-  the first, so the scaling of one block runs beside the next block's wgmma instead of after it.
+- overlapped (`is_overlapped`, the heuristic's choice where K has an even number of blocks):
+  each pipeline step carries two K blocks and a compute warpgroup puts both wgmmas in flight
+  (two accumulators) before it scales the first, so the scaling of one block runs beside the
+  next block's wgmma instead of after it.
   On the H200 the kernel's time did not follow its loaded bytes (128-row tiles that load 40% fewer
   bytes per product but run two wgmma-wait-scale chains per warpgroup per K block took twice as
-  long; BENCHMARKS.md, 2026-12-03 13:42-16:42 UTC): this targets that chain.
+  long; BENCHMARKS.md, 2026-12-03 13:42-16:42 UTC): this targets that chain, and takes 1-6%
+  off each GEMM at T=1024-4096 (DeepSeek-V3 experts; `heuristic_config`'s evidence).
 
 Interpret mode (`interpret=True`, CPU tests) runs all of this on Mosaic GPU's interpreter except
 the wgmma itself, which its interpreter cannot take from a transposed shared-memory view: the same
@@ -136,15 +138,33 @@ class MosaicFp8GemmConfig:
 # 256 experts) grouping an expert's blocks in pairs takes GEMM1 from 2350 to 2004 (4 slots) and
 # GEMM2 from 1173 to 1079, the layer from 3659 to 3303; at T=4096 the layer from 5629 to 4665; at
 # about 1.5 blocks per expert (T=1024, 24320 rows) pairs are slower (GEMM2 1073 against 1007).
+# Overlapped steps (two K blocks, both wgmmas in flight), 2026-12-03 16:12-19:12 UTC session,
+# `gemm_sweep --candidates mosaic` (GEMM1 / GEMM2, overlapped with 2 steps against the previous
+# heuristic's 3 or 4 slots): T=1024 1905 / 1022 against 1986 / 1037 (one by one); T=2048,
+# chained, 1946 / 1035 against 1960 / 1050 (pairs); T=4096, chained, 2887 / 1444 against
+# 2936 / 1532 (pairs). The layer in one call (`fused_moe` with each config, two rounds, us):
+# T=768 2987 / 3012 against 3124 / 3658, T=1024 3018 / 3027 against 3140 / 3707, T=1536
+# 3039 / 3052 against 3178 / 3591, T=2048 (chained) 3278 / 3336 against 3430 / 3504, T=4096
+# (chained) 4859 / 5386 against 4967 / 5047 (this T's rounds scatter by 10%).
 GROUPED_FROM_BLOCKS_PER_EXPERT = 1.5  # layout rows / (64 * E) above which blocks go in pairs
 
 
-def heuristic_config(*, num_rows: int, num_experts: int) -> MosaicFp8GemmConfig:
-    """The config for a layout of `num_rows` rows over `num_experts` experts: two compute
-    warpgroups of 128 columns; above `GROUPED_FROM_BLOCKS_PER_EXPERT` row blocks per expert
-    on average, an expert's blocks in pairs (`group_blocks=2`) with 4 pipeline slots."""
+def heuristic_config(*, num_rows: int, num_experts: int, k: int) -> MosaicFp8GemmConfig:
+    """The config for a layout of `num_rows` rows over `num_experts` experts and K = `k`: two
+    compute warpgroups of 128 columns; above `GROUPED_FROM_BLOCKS_PER_EXPERT` row blocks per
+    expert on average, an expert's blocks in pairs (`group_blocks=2`), their tiles' pipelines
+    chained. Where K holds an even number of 128-wide blocks, overlapped steps of two blocks with
+    2 pipeline slots; else one block per step with 3 slots (4 in pairs)."""
     blocks_per_expert = num_rows / (BLOCK_M * max(num_experts, 1))
-    if blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT:
+    is_grouped = blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT
+    if (k // BLOCK_K) % 2 == 0:
+        return MosaicFp8GemmConfig(
+            group_blocks=2 if is_grouped else 1,
+            max_concurrent_steps=2,
+            is_chained=is_grouped,
+            is_overlapped=True,
+        )
+    if is_grouped:
         return MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
     return MosaicFp8GemmConfig()
 
@@ -181,7 +201,7 @@ def mosaic_fp8_gemm_contiguous(
       [M, N] in `out_dtype`; padding rows are unspecified.
     """
     if config is None:
-        config = heuristic_config(num_rows=x.shape[0], num_experts=w.shape[0])
+        config = heuristic_config(num_rows=x.shape[0], num_experts=w.shape[0], k=x.shape[1])
     _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype)
     num_rows, k = x.shape
     num_experts, n, _ = w.shape
@@ -570,7 +590,7 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         # expert (the capacity max_m when not given) padded as the contiguous layout pads them.
         expected = max_m if expected_m is None else min(expected_m, max_m)
         config = heuristic_config(
-            num_rows=num_experts * (expected + BLOCK_M - 1), num_experts=num_experts
+            num_rows=num_experts * (expected + BLOCK_M - 1), num_experts=num_experts, k=x.shape[2]
         )
         y = self._run(rows, w, expert_ids, row_scales, w_scales, rows_per_block, out_dtype, config)
         return y.reshape(num_experts, rows_per_block, -1)[:, :max_m]

@@ -189,15 +189,47 @@ def test_tile_table(group, tiles, sizes):
     assert mg._group_sizes(block_experts, 4, group).tolist() == sizes
 
 
+@pytest.mark.parametrize("interpret", IMPLS)
+def test_heuristic_config_matches_float64_loop(interpret):
+    """config=None on a layout of about five row blocks per expert and four K blocks takes the
+    heuristic's pairs, overlapped steps and chained pipelines (two steps per tile, two slots)."""
+    problem = Problem("four_k_blocks_in_pairs", 300, 2, 2, 256, 512)
+    rng = np.random.default_rng(oracles.seed(problem.name))
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=64, x_scales=x_scales)
+    chosen = mg.heuristic_config(
+        num_rows=lay["rows"].shape[0], num_experts=problem.num_experts, k=problem.k
+    )
+    assert chosen.group_blocks == 2 and chosen.is_chained and chosen.is_overlapped
+    y = _run(lay, w, w_scales, config=None, out_dtype=jnp.bfloat16, interpret=interpret)
+    _check(y, problem, x, w, x_scales, w_scales, ids, lay, FP8_TOL[jnp.bfloat16])
+
+
 def test_heuristic_groups_blocks_in_pairs_past_one_and_a_half_blocks_per_expert():
-    """DeepSeek-V3's layouts: T=1024 (24320 rows) one by one, T=2048 (32512 rows) in pairs;
+    """DeepSeek-V3's layouts: T=1024 (24320 rows) one by one, T=2048 (32512 rows) in pairs
+    with chained pipelines; K of an even number of 128-wide blocks (GEMM1's 7168, GEMM2's 2048)
+    overlapped with 2 slots, an odd number one block per step with the 3 or 4 slots of before;
     every config the heuristic gives takes the default's 256-column tiles (the backend's
-    refusals assume them)."""
-    one_by_one = mg.heuristic_config(num_rows=24320, num_experts=256)
-    pairs = mg.heuristic_config(num_rows=32512, num_experts=256)
-    assert one_by_one == mg.MosaicFp8GemmConfig()
-    assert pairs.group_blocks == 2
-    assert one_by_one.tile_n == pairs.tile_n == mg.MosaicFp8GemmConfig().tile_n
+    refusals assume them) and fits a program's shared memory."""
+    default = mg.MosaicFp8GemmConfig()
+    configs = {}
+    for k in (7168, 2048, 384):
+        configs[k] = (
+            mg.heuristic_config(num_rows=24320, num_experts=256, k=k),
+            mg.heuristic_config(num_rows=32512, num_experts=256, k=k),
+        )
+    for k in (7168, 2048):
+        one_by_one, pairs = configs[k]
+        assert one_by_one == mg.MosaicFp8GemmConfig(max_concurrent_steps=2, is_overlapped=True)
+        assert pairs == mg.MosaicFp8GemmConfig(
+            group_blocks=2, max_concurrent_steps=2, is_chained=True, is_overlapped=True
+        )
+    one_by_one, pairs = configs[384]  # three K blocks
+    assert one_by_one == default
+    assert pairs == mg.MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
+    for config in (c for pair in configs.values() for c in pair):
+        assert config.tile_n == default.tile_n
+        assert config.smem_bytes(jnp.bfloat16) <= mg.SMEM_LIMIT
 
 
 def test_no_rows():
@@ -279,11 +311,11 @@ def test_refuses_a_config_over_the_shared_memory_of_a_program():
     assert config.smem_bytes(jnp.float32) == 5 * (64 * 128 + 4 * 64 + 256 * 128) + 64 * 256 * 4
     with pytest.raises(ValueError, match="lower max_concurrent_steps"):
         _call(config=config, out_dtype=jnp.float32)
-    heuristic = mg.heuristic_config(num_rows=32512, num_experts=256)
-    assert heuristic.smem_bytes(jnp.bfloat16) < mg.SMEM_LIMIT
+    four_slots = mg.MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
+    assert four_slots.smem_bytes(jnp.bfloat16) < mg.SMEM_LIMIT
     # overlapped, a step's slot holds two K blocks
     overlapped = mg.MosaicFp8GemmConfig(is_overlapped=True, max_concurrent_steps=2)
-    assert overlapped.smem_bytes(jnp.bfloat16) == heuristic.smem_bytes(jnp.bfloat16)
+    assert overlapped.smem_bytes(jnp.bfloat16) == four_slots.smem_bytes(jnp.bfloat16)
 
 
 def test_interpret_mode_is_deterministic():
