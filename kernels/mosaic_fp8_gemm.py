@@ -403,7 +403,7 @@ def _kernel(
 
                 def products(first, second):
                     for ref, (x_half, w_half) in zip((first, second), halves, strict=True):
-                        plgpu.wgmma(ref, x_half, plgpu.transpose_ref(w_half, (1, 0)))
+                        plgpu.wgmma(ref, x_half, w_half.transpose((1, 0)))
                     out = acc + scaled(plgpu.wgmma_accumulator_load(first, wait_n=1), scales[0])
                     return out + scaled(plgpu.wgmma_accumulator_load(second, wait_n=0), scales[1])
 
@@ -467,7 +467,7 @@ def _block_product(x_smem, w_smem, interpret: bool) -> jax.Array:
         )
 
     def product(acc_ref):
-        plgpu.wgmma(acc_ref, x_smem, plgpu.transpose_ref(w_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((x_smem.shape[0], w_smem.shape[0]), jnp.float32))

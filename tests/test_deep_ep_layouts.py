@@ -469,6 +469,11 @@ def test_ll_command_buffer_mode_refuses_a_call_on_the_wrong_buffer(monkeypatch):
     with pytest.raises(Exception, match="no longer paired"):
         jax.block_until_ready(jax.jit(ll.dispatch)(x, ids))
     assert len(buffer.calls) == calls and ll.capture.num_host_calls == 0
+    # On a GPU, JAX keeps the failed call's runtime token as the device's last effect and its
+    # exit-time effects barrier would raise the refusal again; one effectful call that succeeds
+    # takes its place.
+    jax.jit(lambda: jax.debug.callback(lambda: None))()
+    jax.effects_barrier()
     with pytest.raises(ValueError, match="one of"):
         ll.capture.check("send")
 
