@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from moe_jax.cli import gemm_sweep, interop_bench, kernel_bench
+from moe_jax.kernels import mosaic_fp8_gemm
 
 
 @pytest.mark.slow
@@ -71,8 +72,9 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
 @pytest.mark.slow
 def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeypatch):
     """`--candidates mosaic`: the heuristic (the Pallas kernel) and every Mosaic config that
-    fits, each checked against the heuristic (interpret mode off a GPU; the first config of
-    groups of one and of two, as interpret mode is slow)."""
+    fits, the Mosaic kernel's own heuristic labelled, each checked against the heuristic
+    (interpret mode off a GPU; the first config of groups of one and of two, as interpret mode
+    is slow)."""
     groups = {c.group_blocks: c for c in reversed(gemm_sweep.MOSAIC_CANDIDATES)}
     monkeypatch.setattr(gemm_sweep, "MOSAIC_CANDIDATES", (groups[1], groups[2]))
     path = tmp_path / "sweep.json"
@@ -84,6 +86,9 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     assert len(names) == 1 + len(gemm_sweep.MOSAIC_CANDIDATES)
     assert "heuristic" in names and sum(n.startswith("mosaic") for n in names) == 2
     assert any(" g1 " in n for n in names) and any(" g2 " in n for n in names)
+    # GEMM2's K of one block, half a row block per expert: the default config, named as such
+    (own,) = [n for n in names if n.endswith("[mosaic heuristic]")]
+    assert own.startswith(gemm_sweep._describe(mosaic_fp8_gemm.MosaicFp8GemmConfig()))
     assert all("failed" not in r for r in entry["results"]), entry["results"]
     # --ptxas: ptxas' registers where Mosaic GPU compiled the kernel, else why there are none
     mosaic = [r for r in entry["results"] if r["config"].startswith("mosaic")]

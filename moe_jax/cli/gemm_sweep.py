@@ -7,16 +7,18 @@ it (DeepSeek-V3 on one GPU by default), then times
 `moe_jax.kernels.grouped_gemm_contiguous` for GEMM1 ([M, H] x [E, 2I, H]) and GEMM2
 ([M, I] x [E, H, I]) with the heuristic's tiles and each candidate of `CANDIDATES`, and on
 layouts of 64-row segments the Mosaic GPU FP8 kernel (`moe_jax.kernels.mosaic_fp8_gemm`) with
-each of `MOSAIC_CANDIDATES` (`--candidates` picks either set). Every
-candidate is checked first against the heuristic's output, and the heuristic's output against
-the float32 reference on 16 rows spread over the layout (both within `TOLERANCE`; a config that
+each of `MOSAIC_CANDIDATES` and its own heuristic's config (labelled "[mosaic heuristic]";
+`--candidates` picks either set). "heuristic" alone is the Pallas kernel's. Every candidate
+is checked first against the heuristic's output, and the heuristic's output against the
+float32 reference on 16 rows spread over the layout (both within `TOLERANCE`; a config that
 is not is reported, not timed, and a wrong heuristic makes the command exit with status 1). It
 prints, per T and GEMM, each config's streamed microseconds and its weight-read bandwidth (the
 active experts' FP8 weights and scales over the time), best first:
 
     python -m moe_jax.cli.gemm_sweep --tokens 1 32 128 --json sweep.json
 
-This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config`. Without a GPU it
+This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config` and
+`moe_jax.kernels.mosaic_fp8_gemm.heuristic_config`. Without a GPU it
 runs the tiny shape in interpret mode (slow, but the command can be tested anywhere).
 
 `--ptxas` adds each Mosaic config's registers per thread, spilled bytes and any reason ptxas gives
@@ -270,9 +272,15 @@ def sweep_one(
         configs.setdefault(_describe(other), other)
 
     if candidates in ("all", "mosaic") and w.dtype == quant.FP8_DTYPE:
-        for config in MOSAIC_CANDIDATES:
+        # the Mosaic kernel's own heuristic for this layout, named as such (added if no
+        # candidate is it)
+        mosaic_heuristic = mosaic_fp8_gemm.heuristic_config(
+            num_rows=lay.rows.shape[0], num_experts=w.shape[0], k=w.shape[2]
+        )
+        for config in dict.fromkeys((*MOSAIC_CANDIDATES, mosaic_heuristic)):
             if alignment % mosaic_fp8_gemm.BLOCK_M == 0 and w.shape[1] % config.tile_n == 0:
-                configs[_describe(config)] = config
+                label = " [mosaic heuristic]" if config == mosaic_heuristic else ""
+                configs[_describe(config) + label] = config
 
     def run(config):
         gemm = (
