@@ -101,7 +101,7 @@ CANDIDATES = tuple(
 # 64-row segments beside the Pallas kernel's: two compute warpgroups of 128 columns, an expert's
 # row blocks in groups of 1-16 taking each column tile in turn, 3-4 pipeline slots, one pipeline
 # per tile or chained across tiles; then two K blocks per step with both wgmmas in flight (2
-# slots of those hold as many blocks as 4 of the others).
+# slots of those hold as many blocks as 4 of the others), one by one or in groups of 2 or 4.
 MOSAIC_CANDIDATES = tuple(
     mosaic_fp8_gemm.MosaicFp8GemmConfig(
         block_n=128,
@@ -122,6 +122,8 @@ MOSAIC_CANDIDATES = tuple(
         (1, 2, False, True),
         (2, 2, False, True),
         (2, 2, True, True),
+        (4, 2, False, True),
+        (4, 2, True, True),
     )
 )
 CANDIDATE_SETS = ("all", "pallas", "mosaic")
