@@ -146,26 +146,35 @@ class MosaicFp8GemmConfig:
 # T=768 2987 / 3012 against 3124 / 3658, T=1024 3018 / 3027 against 3140 / 3707, T=1536
 # 3039 / 3052 against 3178 / 3591, T=2048 (chained) 3278 / 3336 against 3430 / 3504, T=4096
 # (chained) 4859 / 5386 against 4967 / 5047 (this T's rounds scatter by 10%).
+# Groups of 4, same session, a later call: at T=4096 (48896 rows, about 3 blocks per expert)
+# overlapped and chained in groups of 4 GEMM1 2643 / GEMM2 1360 against 2805 / 1398 in pairs
+# (one block per step: groups of 4 2656 / 1447 against pairs 2733 / 1475); the layer 4644 / 5084
+# against 4748 / 4848 (two rounds), and at T=6144 6066 / 6053 against 6247 / 6787 (DeepGEMM
+# 6419 / 6630). At T=2048 (about 2 blocks per expert) pairs stay best.
 GROUPED_FROM_BLOCKS_PER_EXPERT = 1.5  # layout rows / (64 * E) above which blocks go in pairs
+GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT = 2.5  # ... above which they go in groups of 4
 
 
 def heuristic_config(*, num_rows: int, num_experts: int, k: int) -> MosaicFp8GemmConfig:
     """The config for a layout of `num_rows` rows over `num_experts` experts and K = `k`: two
-    compute warpgroups of 128 columns; above `GROUPED_FROM_BLOCKS_PER_EXPERT` row blocks per
-    expert on average, an expert's blocks in pairs (`group_blocks=2`), their tiles' pipelines
-    chained. Where K holds an even number of 128-wide blocks, overlapped steps of two blocks with
-    2 pipeline slots; else one block per step with 3 slots (4 in pairs)."""
+    compute warpgroups of 128 columns; an expert's row blocks one by one, in pairs above
+    `GROUPED_FROM_BLOCKS_PER_EXPERT` row blocks per expert on average and in groups of 4 above
+    `GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT`, the grouped tiles' pipelines chained. Where K holds an
+    even number of 128-wide blocks, overlapped steps of two blocks with 2 pipeline slots; else
+    one block per step with 3 slots (4 when grouped)."""
     blocks_per_expert = num_rows / (BLOCK_M * max(num_experts, 1))
-    is_grouped = blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT
+    group = 1
+    if blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT:
+        group = 4 if blocks_per_expert > GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT else 2
     if (k // BLOCK_K) % 2 == 0:
         return MosaicFp8GemmConfig(
-            group_blocks=2 if is_grouped else 1,
+            group_blocks=group,
             max_concurrent_steps=2,
-            is_chained=is_grouped,
+            is_chained=group > 1,
             is_overlapped=True,
         )
-    if is_grouped:
-        return MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
+    if group > 1:
+        return MosaicFp8GemmConfig(group_blocks=group, max_concurrent_steps=4)
     return MosaicFp8GemmConfig()
 
 

@@ -460,8 +460,8 @@ float32. A decode step's floor is reading the active experts' weights once ("lim
 `decode_results.json` next to this notebook is the H200 run of 2026-12-02 on code e33f5c2
 (BENCHMARKS.md, "Decode-size layers": the Pallas grouped GEMM on 16-, 32- or 64-row segments by
 pairs per expert): "auto" with the Pallas grouped GEMM and DeepGEMM beside it, T=1 to 2048.
-Since 2026-12-03 "auto" takes the Mosaic GPU kernel `mosaic_fp8` from 17 to 128 pairs per expert
-(T=2048: 3305 us in BENCHMARKS.md against 4758 in this file); a run with
+Since 2026-12-03 "auto" takes the Mosaic GPU kernel `mosaic_fp8` from 17 to 192 pairs per expert
+(T=2048: 3250 us in BENCHMARKS.md against 4758 in this file); a run with
 `--variants auto pallas mosaic_fp8 deep_gemm` shows it here.
 """),
     code("""

@@ -62,7 +62,7 @@ def test_auto_picks_the_first_backend_in_preference_that_runs(platform):
 
 def test_auto_prefers_the_decode_gemms_for_decode_sizes_on_gpu():
     """Pallas first up to 16 pairs per expert; on the contiguous layout Mosaic's FP8 kernel
-    first above that and up to 128 (Pallas next up to 64), the masked layout Pallas up to 64;
+    first above that and up to 192 (Pallas next up to 64), the masked layout Pallas up to 64;
     DeepGEMM beyond."""
     mosaic_from = grouped_gemm.MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
     short = _problem(platform="gpu", num_pairs=4 * mosaic_from)

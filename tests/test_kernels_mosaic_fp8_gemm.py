@@ -194,7 +194,8 @@ def test_tile_table(group, tiles, sizes):
 @pytest.mark.parametrize("interpret", IMPLS)
 def test_heuristic_config_matches_float64_loop(interpret):
     """config=None on a layout of about five row blocks per expert and four K blocks takes the
-    heuristic's pairs, overlapped steps and chained pipelines (two steps per tile, two slots)."""
+    heuristic's groups of 4, overlapped steps and chained pipelines (two steps per tile, two
+    slots)."""
     problem = Problem("four_k_blocks_in_pairs", 300, 2, 2, 256, 512)
     rng = np.random.default_rng(oracles.seed(problem.name))
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
@@ -202,34 +203,37 @@ def test_heuristic_config_matches_float64_loop(interpret):
     chosen = mg.heuristic_config(
         num_rows=lay["rows"].shape[0], num_experts=problem.num_experts, k=problem.k
     )
-    assert chosen.group_blocks == 2 and chosen.is_chained and chosen.is_overlapped
+    assert chosen.group_blocks == 4 and chosen.is_chained and chosen.is_overlapped
     y = _run(lay, w, w_scales, config=None, out_dtype=jnp.bfloat16, interpret=interpret)
     _check(y, problem, x, w, x_scales, w_scales, ids, lay, FP8_TOL[jnp.bfloat16])
 
 
-def test_heuristic_groups_blocks_in_pairs_past_one_and_a_half_blocks_per_expert():
-    """DeepSeek-V3's layouts: T=1024 (24320 rows) one by one, T=2048 (32512 rows) in pairs
-    with chained pipelines; K of an even number of 128-wide blocks (GEMM1's 7168, GEMM2's 2048)
+def test_heuristic_groups_blocks_by_row_blocks_per_expert():
+    """DeepSeek-V3's layouts: T=1024 (24320 rows, 1.5 blocks per expert) one by one, T=2048
+    (32512 rows, 2) in pairs, T=4096 (48896 rows, 3) in groups of 4, the grouped ones with
+    chained pipelines; K of an even number of 128-wide blocks (GEMM1's 7168, GEMM2's 2048)
     overlapped with 2 slots, an odd number one block per step with the 3 or 4 slots of before;
     every config the heuristic gives takes the default's 256-column tiles (the backend's
     refusals assume them) and fits a program's shared memory."""
     default = mg.MosaicFp8GemmConfig()
-    configs = {}
-    for k in (7168, 2048, 384):
-        configs[k] = (
-            mg.heuristic_config(num_rows=24320, num_experts=256, k=k),
-            mg.heuristic_config(num_rows=32512, num_experts=256, k=k),
-        )
+    rows = {1: 24320, 2: 32512, 4: 48896}
+    configs = {
+        (k, group): mg.heuristic_config(num_rows=num_rows, num_experts=256, k=k)
+        for k in (7168, 2048, 384)
+        for group, num_rows in rows.items()
+    }
     for k in (7168, 2048):
-        one_by_one, pairs = configs[k]
-        assert one_by_one == mg.MosaicFp8GemmConfig(max_concurrent_steps=2, is_overlapped=True)
-        assert pairs == mg.MosaicFp8GemmConfig(
-            group_blocks=2, max_concurrent_steps=2, is_chained=True, is_overlapped=True
+        assert configs[k, 1] == mg.MosaicFp8GemmConfig(max_concurrent_steps=2, is_overlapped=True)
+        for group in (2, 4):
+            assert configs[k, group] == mg.MosaicFp8GemmConfig(
+                group_blocks=group, max_concurrent_steps=2, is_chained=True, is_overlapped=True
+            )
+    assert configs[384, 1] == default  # three K blocks
+    for group in (2, 4):
+        assert configs[384, group] == mg.MosaicFp8GemmConfig(
+            group_blocks=group, max_concurrent_steps=4
         )
-    one_by_one, pairs = configs[384]  # three K blocks
-    assert one_by_one == default
-    assert pairs == mg.MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
-    for config in (c for pair in configs.values() for c in pair):
+    for config in configs.values():
         assert config.tile_n == default.tile_n
         assert config.smem_bytes(jnp.bfloat16) <= mg.SMEM_LIMIT
 
