@@ -6,6 +6,9 @@
 #       compute-sanitizer on the Pallas kernels (both tools by default, shape B by default;
 #       `python3 scripts/sanitize_kernels.py --list`)
 #   bash scripts/gpu_check.sh train      training-step bench and per-stage backward times, shapes B and A
+#   bash scripts/gpu_check.sh decode     the Mosaic FP8 GEMM's compiled tests, its config sweep at
+#       T=1024-6144 and the decode layer from T=512 to 8192 with "auto" beside the three FP8
+#       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -60,8 +63,19 @@ case "$mode" in
     done
     exit "$status"
     ;;
+  decode)
+    status=0
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_mosaic_fp8_gemm.py 2>&1 \
+      | tee "$out/decode_tests.log" | tail -3 || status=1
+    python3 -m moe_jax.cli.gemm_sweep --tokens 1024 2048 4096 6144 --candidates mosaic \
+      --samples 3 --json "$out/mosaic_sweep.json" 2>&1 | tee "$out/mosaic_sweep.log" || status=1
+    python3 -m moe_jax bench --decode --iters 10 --tokens 512 768 2048 4096 6144 8192 \
+      --variants auto pallas mosaic_fp8 deep_gemm --json "$out/decode.json" 2>&1 \
+      | tee "$out/decode.log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode (see the top of this file)" >&2
     exit 2
     ;;
 esac
