@@ -1,6 +1,7 @@
 """The command line on the CPU: `python -m moe_jax demo | info | bench [--decode | --train]`."""
 
 import json
+import re
 
 import jax
 import pytest
@@ -21,7 +22,11 @@ def test_info_reports_every_backend(capsys):
     out = capsys.readouterr().out
     for name in ("deep_gemm", "torch", "mosaic", "xla"):
         assert out.count(f"    {name} ") == 2  # one line per dtype
-    assert "no: DeepGEMM runs on NVIDIA GPUs only" in out or "deep_gemm  runs" in out
+    assert "no: DeepGEMM runs on NVIDIA GPUs only" in out or re.search(r"deep_gemm +runs", out)
+    # one column for the statuses, however long a backend's name
+    rows = [line for line in out.splitlines() if re.match(r"    \w", line)]
+    columns = {re.search(r"\w +(runs|no: )", row).start(1) for row in rows}
+    assert len(rows) >= 8 and len(columns) == 1, rows
 
 
 @pytest.mark.slow

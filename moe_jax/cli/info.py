@@ -51,7 +51,8 @@ def report() -> str:
         order = grouped_gemm.GEMMS.preference(problem)
         reasons = grouped_gemm.GEMMS.reasons(problem)
         listed = [*order, *(name for name in reasons if name not in order)]
+        width = max(map(len, listed))
         for name in listed:
             why = reasons[name]
-            lines.append(f"    {name:<10} {'runs' if why is None else 'no: ' + why}")
+            lines.append(f"    {name:<{width}} {'runs' if why is None else 'no: ' + why}")
     return "\n".join(lines)
