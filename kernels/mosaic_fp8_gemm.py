@@ -114,20 +114,21 @@ class MosaicFp8GemmConfig:
                 "is needed"
             )
 
-    @property
-    def k_blocks_per_step(self) -> int:
-        """128-wide K blocks per pipeline step: 2 when overlapped, else 1."""
-        return 2 if self.is_overlapped else 1
+    def k_blocks_per_step(self, k: int) -> int:
+        """128-wide K blocks per pipeline step for K = `k`: 2 when overlapped and K holds an
+        even number of blocks, else 1."""
+        return 2 if self.is_overlapped and (k // BLOCK_K) % 2 == 0 else 1
 
     @property
     def tile_n(self) -> int:
         """Output columns per tile."""
         return self.num_compute_wgs * self.block_n
 
-    def smem_bytes(self, out_dtype: jnp.dtype) -> int:
-        """Shared memory one program asks for: the pipeline's slots (x, its scales and the
-        weight tile per K block) and every compute warpgroup's output staging."""
-        slot = self.k_blocks_per_step * (BLOCK_M * BLOCK_K + 4 * BLOCK_M + self.tile_n * BLOCK_K)
+    def smem_bytes(self, out_dtype: jnp.dtype, k: int) -> int:
+        """Shared memory one program asks for at K = `k`: the pipeline's slots (x, its scales
+        and the weight tile per K block) and every compute warpgroup's output staging."""
+        blocks = self.k_blocks_per_step(k)
+        slot = blocks * (BLOCK_M * BLOCK_K + 4 * BLOCK_M + self.tile_n * BLOCK_K)
         return (
             self.max_concurrent_steps * slot + BLOCK_M * self.tile_n * jnp.dtype(out_dtype).itemsize
         )
@@ -166,13 +167,11 @@ def heuristic_config(*, num_rows: int, num_experts: int, k: int) -> MosaicFp8Gem
     group = 1
     if blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT:
         group = 4 if blocks_per_expert > GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT else 2
-    if (k // BLOCK_K) % 2 == 0:
-        return MosaicFp8GemmConfig(
-            group_blocks=group,
-            max_concurrent_steps=2,
-            is_chained=group > 1,
-            is_overlapped=True,
-        )
+    overlapped = MosaicFp8GemmConfig(
+        group_blocks=group, max_concurrent_steps=2, is_chained=group > 1, is_overlapped=True
+    )
+    if overlapped.k_blocks_per_step(k) == 2:
+        return overlapped
     if group > 1:
         return MosaicFp8GemmConfig(group_blocks=group, max_concurrent_steps=4)
     return MosaicFp8GemmConfig()
@@ -335,8 +334,8 @@ def _kernel(
     bm, bn, tile_n = BLOCK_M, config.block_n, config.tile_n
     k_steps, n_tiles = k // BLOCK_K, n // tile_n
     steps = config.max_concurrent_steps
-    is_overlapped = config.is_overlapped and k_steps % 2 == 0
-    per_step = 2 if is_overlapped else 1  # K blocks per pipeline step
+    per_step = config.k_blocks_per_step(k)
+    is_overlapped = per_step == 2
     is_chained = config.is_chained and (k_steps // per_step) % steps == 0
     transforms = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
 
@@ -498,7 +497,7 @@ def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out
             f"{alignment=} but a multiple of {BLOCK_M} rows is needed: a row block would span "
             "experts"
         )
-    smem = config.smem_bytes(out_dtype)
+    smem = config.smem_bytes(out_dtype, x.shape[1])
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"{config} with {jnp.dtype(out_dtype).name} output asks for {smem} bytes of shared "

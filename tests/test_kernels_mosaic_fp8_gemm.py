@@ -233,9 +233,9 @@ def test_heuristic_groups_blocks_by_row_blocks_per_expert():
         assert configs[384, group] == mg.MosaicFp8GemmConfig(
             group_blocks=group, max_concurrent_steps=4
         )
-    for config in configs.values():
+    for (k, _), config in configs.items():
         assert config.tile_n == default.tile_n
-        assert config.smem_bytes(jnp.bfloat16) <= mg.SMEM_LIMIT
+        assert config.smem_bytes(jnp.bfloat16, k) <= mg.SMEM_LIMIT
 
 
 def test_no_rows():
@@ -314,14 +314,17 @@ def test_refuses_a_config_over_the_shared_memory_of_a_program():
     """Five pipeline slots of the 64 x 256 tile with float32 output ask for 266 KiB (227 KiB
     fit); four with bf16 output, the heuristic's largest, 197 KiB."""
     config = mg.MosaicFp8GemmConfig(max_concurrent_steps=5)
-    assert config.smem_bytes(jnp.float32) == 5 * (64 * 128 + 4 * 64 + 256 * 128) + 64 * 256 * 4
+    assert config.smem_bytes(jnp.float32, 256) == 5 * (64 * 128 + 4 * 64 + 256 * 128) + 64 * 256 * 4
     with pytest.raises(ValueError, match="lower max_concurrent_steps"):
         _call(config=config, out_dtype=jnp.float32)
     four_slots = mg.MosaicFp8GemmConfig(group_blocks=2, max_concurrent_steps=4)
-    assert four_slots.smem_bytes(jnp.bfloat16) < mg.SMEM_LIMIT
-    # overlapped, a step's slot holds two K blocks
+    assert four_slots.smem_bytes(jnp.bfloat16, 256) < mg.SMEM_LIMIT
+    # overlapped, a step's slot holds two K blocks (one where K has an odd number of blocks)
     overlapped = mg.MosaicFp8GemmConfig(is_overlapped=True, max_concurrent_steps=2)
-    assert overlapped.smem_bytes(jnp.bfloat16) == four_slots.smem_bytes(jnp.bfloat16)
+    assert overlapped.smem_bytes(jnp.bfloat16, 256) == four_slots.smem_bytes(jnp.bfloat16, 256)
+    assert overlapped.smem_bytes(jnp.bfloat16, 384) == mg.MosaicFp8GemmConfig(
+        max_concurrent_steps=2
+    ).smem_bytes(jnp.bfloat16, 384)
 
 
 def test_interpret_mode_is_deterministic():
