@@ -11,7 +11,9 @@ Rounding matches `moe_jax.activation.act_and_mul` followed by
 `moe_jax.quant.per_token_group_quant_fp8`: act in float32, rounded to the input dtype, the product
 rounded again, then `scale = max(amax, 1e-10) / 448` and `q = clip(a / scale, +-448)` cast to
 e4m3 with round-to-nearest-even. `group_quant` is the same kernel without the activation: it
-quantizes the layer's input tokens before the permute.
+quantizes the layer's input tokens before the permute. `act_and_quant` writes its scales
+group-major, the order GEMM2's FP8 kernels read them in (see its docstring); `group_quant`
+writes them by row, the order the permute gathers them in.
 
 Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's roundings
 are the same functions in both, spelled per backend in `_divide`, `_divide_rows`, `_saturate` and
@@ -204,9 +206,12 @@ def _round(x, dtype, *, interpret: bool):
     return round_to_dtype(x, dtype) if interpret else x.astype(dtype)
 
 
-def _store_quantized(a, q_ref, scale_ref, group: int, *, interpret: bool):
+def _store_quantized(
+    a, q_ref, scale_ref, group: int, *, is_scales_transposed: bool, interpret: bool
+):
     """Quantizes float32 rows `a` [block_m, 128] into column group `group` of the program's
-    q_ref [block_m, G * 128] and scale_ref [block_m, G] blocks."""
+    q_ref [block_m, G * 128] block and its scale_ref block: [block_m, G], or the transpose
+    [G, block_m] with `is_scales_transposed` (group-major scales, see `act_and_quant`)."""
     amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
     scale = _divide(
         jnp.maximum(amax, quant.SCALE_EPS),
@@ -218,7 +223,10 @@ def _store_quantized(a, q_ref, scale_ref, group: int, *, interpret: bool):
     q_ref[:, pl.ds(group * width, width)] = _saturate(quotient, interpret=interpret).astype(
         q_ref.dtype
     )
-    scale_ref[:, pl.ds(group, 1)] = scale
+    if is_scales_transposed:
+        scale_ref[pl.ds(group, 1), :] = scale.reshape(1, -1)
+    else:
+        scale_ref[:, pl.ds(group, 1)] = scale
 
 
 def _act_quant_kernel(
@@ -232,6 +240,7 @@ def _act_quant_kernel(
     *,
     activation: str,
     group_size: int,
+    is_scales_transposed: bool,
     interpret: bool,
 ):
     """act(gate) * up quantized, for the program's rows and groups; with `expert_ids_ref`
@@ -240,11 +249,18 @@ def _act_quant_kernel(
     def compute():
         round_fn = functools.partial(_round, interpret=interpret)
         act_fn = None if interpret else KERNEL_ACTIVATIONS.get(activation)
-        for group in range(scale_ref.shape[1]):  # static: the program's 128-column groups
+        for group in range(q_ref.shape[1] // group_size):  # static: the program's groups
             columns = pl.ds(group * group_size, group_size)
             gate, up = gate_ref[:, columns], up_ref[:, columns]
             a = gated_activation(gate, up, activation, round_fn=round_fn, act_fn=act_fn)
-            _store_quantized(a.astype(jnp.float32), q_ref, scale_ref, group, interpret=interpret)
+            _store_quantized(
+                a.astype(jnp.float32),
+                q_ref,
+                scale_ref,
+                group,
+                is_scales_transposed=is_scales_transposed,
+                interpret=interpret,
+            )
 
     if expert_ids_ref is None:
         compute()
@@ -264,12 +280,20 @@ def _group_quant_kernel(
     scale_ref,
     *,
     group_size: int,
+    is_scales_transposed: bool,
     interpret: bool,
 ):
-    for group in range(scale_ref.shape[1]):
+    for group in range(q_ref.shape[1] // group_size):
         columns = pl.ds(group * group_size, group_size)
         a = x_ref[:, columns].astype(jnp.float32)
-        _store_quantized(a, q_ref, scale_ref, group, interpret=interpret)
+        _store_quantized(
+            a,
+            q_ref,
+            scale_ref,
+            group,
+            is_scales_transposed=is_scales_transposed,
+            interpret=interpret,
+        )
 
 
 def _quantize_call(
@@ -282,13 +306,15 @@ def _quantize_call(
     column_offset,
     config,
     name,
+    is_scales_transposed,
     interpret,
     expert_ids=None,
 ):
     """pallas_call over (row blocks, group blocks): reads x's groups [g*G, (g+1)*G) (and the
     same groups shifted by `column_offset` groups for a gated kernel, and each row block's
     `expert_ids` when given), writes q [M, num_groups * group_size] and scales
-    [M, num_groups]."""
+    [M, num_groups] (in memory [num_groups, M] with `is_scales_transposed`, returned as the
+    transpose)."""
     cfg = heuristic_config(num_rows, num_groups) if config is None else config
     per_program = _triton.largest_power_of_2_divisor(num_groups, cfg.groups_per_program)
     padded_rows = -(-num_rows // cfg.block_m) * cfg.block_m
@@ -311,18 +337,29 @@ def _quantize_call(
     if expert_ids is not None:
         in_specs.append(pl.BlockSpec((cfg.block_m,), index(lambda i, g: (i,))))
         operands.append(expert_ids)
+    if is_scales_transposed:
+        scales_shape = (num_groups, padded_rows)
+        scales_spec = pl.BlockSpec((per_program, cfg.block_m), index(lambda i, g: (g, i)))
+    else:
+        scales_shape = (padded_rows, num_groups)
+        scales_spec = pl.BlockSpec((cfg.block_m, per_program), index(lambda i, g: (i, g)))
     with _triton.quiet_triton_deprecation():
         q, scales = pl.pallas_call(
-            functools.partial(kernel, group_size=group_size, interpret=interpret),
+            functools.partial(
+                kernel,
+                group_size=group_size,
+                is_scales_transposed=is_scales_transposed,
+                interpret=interpret,
+            ),
             out_shape=(
                 jax.ShapeDtypeStruct((padded_rows, num_groups * group_size), quant.FP8_DTYPE),
-                jax.ShapeDtypeStruct((padded_rows, num_groups), jnp.float32),
+                jax.ShapeDtypeStruct(scales_shape, jnp.float32),
             ),
             grid=grid[::-1] if cfg.is_group_major else grid,
             in_specs=in_specs,
             out_specs=[
                 pl.BlockSpec(block, index(lambda i, g: (i, g))),
-                pl.BlockSpec((cfg.block_m, per_program), index(lambda i, g: (i, g))),
+                scales_spec,
             ],
             compiler_params=_triton.compiler_params(num_warps=cfg.num_warps, num_stages=1),
             interpret=interpret,
@@ -331,6 +368,8 @@ def _quantize_call(
                 f"{'_gm' if cfg.is_group_major else ''}"
             ),
         )(*operands)
+    if is_scales_transposed:
+        return q[:num_rows], scales[:, :num_rows].T
     return q[:num_rows], scales[:num_rows]
 
 
@@ -373,6 +412,7 @@ def group_quant(
         column_offset=0,
         config=config,
         name="group_quant",
+        is_scales_transposed=False,  # the permute gathers them by token row
         interpret=interpret,
     )
 
@@ -399,7 +439,9 @@ def act_and_quant(
         unspecified (the contiguous layout's padding, whose GEMM2 output nothing reads).
 
     Returns:
-      (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
+      (q float8_e4m3fn[M, I], scales float32[M, I // group_size]). The kernel writes the
+      scales group-major ([I // group_size, M] in memory) and returns their transpose: GEMM2's
+      FP8 kernels (DeepGEMM, Mosaic, Pallas) read them that way, so XLA cancels the transposes.
     """
     check_activation(activation)
     if not interpret and activation not in COMPILED_ACTIVATIONS:
@@ -432,6 +474,7 @@ def act_and_quant(
         column_offset=num_groups,
         config=config,
         name=f"act_quant_{activation}",
+        is_scales_transposed=True,
         interpret=interpret,
     )
 

@@ -219,7 +219,6 @@ def mosaic_fp8_gemm_contiguous(
     if padded_rows != num_rows:
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
-        x_scales = jnp.pad(x_scales, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
     block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
     tiles = _tile_table(block_experts, num_experts, n // config.tile_n, config.group_blocks)
@@ -246,7 +245,11 @@ def mosaic_fp8_gemm_contiguous(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params() if interpret else None,
     )
-    x_scales_t = x_scales.astype(jnp.float32).T  # [K/128, M]: a row block's scales contiguous
+    # [K/128, M]: a row block's scales contiguous. The permute and act*up + quantize kernels
+    # write the scales this way, so XLA cancels the transpose against theirs.
+    x_scales_t = x_scales.astype(jnp.float32).T
+    if padded_rows != num_rows:
+        x_scales_t = jnp.pad(x_scales_t, ((0, 0), (0, padded_rows - num_rows)))
     y = kernel(block_experts, tiles, x, x_scales_t, w, w_scales.astype(jnp.float32))
     return y[:num_rows]
 

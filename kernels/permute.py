@@ -99,7 +99,8 @@ def _gather_rows_kernel(
 ):
     """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile.
 
-    The programs of the first column block also copy the rows' scales ([block_m, block_g]).
+    The programs of the first column block also copy the rows' scales ([block_m, block_g]) into
+    their transpose out_scales[g, r] (see `_gather_rows`).
     """
     rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
@@ -134,7 +135,7 @@ def _gather_rows_kernel(
             other=0,
         )
         plt.store(
-            out_scales_ref.at[rows[:, None], groups[None, :]],
+            out_scales_ref.at[groups[None, :], rows[:, None]],
             scales,
             mask=row_ok[:, None] & group_ok[None, :],
         )
@@ -153,6 +154,11 @@ def _gather_rows(
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(x[source[r]], x_scales[source[r]]), zero where source[r] < 0; bit-exact copies.
+
+    The row scales are written group-major (float32[G, M] in memory) and returned as their
+    transpose [M, G]: every FP8 GEMM reads a row block's scales of one K group contiguously
+    (DeepGEMM's MN-major scales, the Mosaic and Pallas kernels' loads) and transposes them
+    back, which XLA then cancels, so no transpose runs between the permute and GEMM1.
 
     Args:
       x: [T, H] rows of any 1-, 2- or 4-byte dtype. x_scales: float32[T, G] or None.
@@ -175,7 +181,9 @@ def _gather_rows(
     )
     operands = [x] if x_scales is None else [x, x_scales]
     bits = [jax.lax.bitcast_convert_type(a, _BITS_DTYPE[a.dtype.itemsize]) for a in operands]
-    out_shape = [jax.ShapeDtypeStruct((num_rows, a.shape[1]), a.dtype) for a in bits]
+    out_shape = [jax.ShapeDtypeStruct((num_rows, hidden), bits[0].dtype)]
+    if x_scales is not None:
+        out_shape.append(jax.ShapeDtypeStruct((num_groups, num_rows), bits[1].dtype))
     with _triton.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
@@ -189,7 +197,7 @@ def _gather_rows(
             f"_{config.has_eviction_hints=}",
         )(source, *bits)
     out = [jax.lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, operands, strict=True)]
-    return out[0], None if x_scales is None else out[1]
+    return out[0], None if x_scales is None else out[1].T
 
 
 def routing_metadata(

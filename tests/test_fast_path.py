@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_fused_moe import Problem, assert_close, expected, make_inputs
 
-from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe
+from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe, layouts
 from moe_jax.experts import ExpertWeights, resolve_experts
 
 INTERPRET = ModularMoE(
@@ -123,3 +123,56 @@ def test_named_gpu_experts_match_oracle(experts):
     inputs = make_inputs(GPU_PROBLEM, dtype, np.random.default_rng(14))
     out = _call(functools.partial(fused_moe, experts=experts), inputs)
     assert_close_gpu(out, expected(inputs), dtype)
+
+
+def _scale_copies(hlo: str, num_groups: int, num_rows: int) -> list[str]:
+    """Instructions of compiled HLO text that transpose, copy or pad a float32 [G, M] or
+    [M, G] array (the layout's activation scales), fused computations included."""
+    shapes = {f"f32[{num_groups},{num_rows}]", f"f32[{num_rows},{num_groups}]"}
+    found = []
+    for line in hlo.splitlines():
+        if "=" not in line:
+            continue
+        result = line.split("=", 1)[1].strip()
+        shape, _, rest = result.partition("{")
+        opcode = rest.partition("} ")[2].split("(", 1)[0].strip()
+        if shape in shapes and opcode in ("transpose", "copy", "pad"):
+            found.append(line.strip())
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["pallas", "mosaic_fp8", "deep_gemm"])
+def test_fp8_scales_reach_the_gemms_without_a_transpose(gemm):
+    """The permute and act*up + quantize kernels write the scales group-major and every FP8
+    GEMM reads them so: the compiled layer holds no transpose, copy or pad of them."""
+    if gemm == "deep_gemm" and not _has("deep_gemm"):
+        pytest.skip("deep_gemm is not installed")
+    problem = Problem("T64_H512_I256_E4_k2", 64, 512, 256, 4, 2)
+    inputs = make_inputs(problem, "fp8", np.random.default_rng(15))
+    experts = ContiguousExperts(gemm=gemm)
+    weights = ExpertWeights(w1=jnp.asarray(inputs.w1), w2=jnp.asarray(inputs.w2))
+    alignment = experts.select_gemms(
+        weights, num_tokens=problem.num_tokens, topk=problem.topk, x_dtype=jnp.float8_e4m3fn
+    ).alignment
+    arrays = [
+        jnp.asarray(a)
+        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    ]
+    scales = dict(w1_scale=jnp.asarray(inputs.w1_scale), w2_scale=jnp.asarray(inputs.w2_scale))
+    layer = jax.jit(lambda *a: fused_moe(*a, **scales, experts=experts))
+    hlo = layer.lower(*arrays).compile().as_text()
+    num_rows = layouts.contiguous_num_rows(
+        problem.num_tokens, problem.topk, problem.num_experts, alignment
+    )
+    for groups in (problem.hidden // 128, problem.inter // 128):
+        assert _scale_copies(hlo, groups, num_rows) == [], (gemm, alignment)
+    assert_close_gpu(np.asarray(layer(*arrays)), expected(inputs), "fp8")
+
+
+def test_scale_copies_finds_a_transpose():
+    """The GPU test's HLO reader sees a transpose where one runs (so that test can fail)."""
+    hlo = jax.jit(lambda s: s.T + 1).lower(jnp.ones((4, 256), jnp.float32)).compile().as_text()
+    assert _scale_copies(hlo, 4, 256)
+    hlo = jax.jit(lambda s: s + 1).lower(jnp.ones((4, 256), jnp.float32)).compile().as_text()
+    assert _scale_copies(hlo, 4, 256) == []
