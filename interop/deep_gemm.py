@@ -147,6 +147,7 @@ class DeepGemm(grouped_gemm.GroupedGemm):
     """DeepGEMM FP8 (block-scaled) and bfloat16 grouped GEMMs on sm_90 / sm_100."""
 
     name = "deep_gemm"
+    is_scales_group_major = True  # `mn_major_scales` transposes them
 
     def __init__(self, config: DeepGemmConfig | None = None):
         self.config = DeepGemmConfig() if config is None else config

@@ -11,9 +11,9 @@ Rounding matches `moe_jax.activation.act_and_mul` followed by
 `moe_jax.quant.per_token_group_quant_fp8`: act in float32, rounded to the input dtype, the product
 rounded again, then `scale = max(amax, 1e-10) / 448` and `q = clip(a / scale, +-448)` cast to
 e4m3 with round-to-nearest-even. `group_quant` is the same kernel without the activation: it
-quantizes the layer's input tokens before the permute. `act_and_quant` writes its scales
-group-major, the order GEMM2's FP8 kernels read them in (see its docstring); `group_quant`
-writes them by row, the order the permute gathers them in.
+quantizes the layer's input tokens before the permute (its scales by row, the order the
+permute gathers them in); `act_and_quant` can write its scales group-major, for a GEMM2 that
+reads them so (`is_scales_group_major`).
 
 Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's roundings
 are the same functions in both, spelled per backend in `_divide`, `_divide_rows`, `_saturate` and
@@ -207,11 +207,11 @@ def _round(x, dtype, *, interpret: bool):
 
 
 def _store_quantized(
-    a, q_ref, scale_ref, group: int, *, is_scales_transposed: bool, interpret: bool
+    a, q_ref, scale_ref, group: int, *, is_scales_group_major: bool, interpret: bool
 ):
     """Quantizes float32 rows `a` [block_m, 128] into column group `group` of the program's
     q_ref [block_m, G * 128] block and its scale_ref block: [block_m, G], or the transpose
-    [G, block_m] with `is_scales_transposed` (group-major scales, see `act_and_quant`)."""
+    [G, block_m] with `is_scales_group_major` (group-major scales, see `act_and_quant`)."""
     amax = jnp.max(jnp.abs(a), axis=1, keepdims=True)
     scale = _divide(
         jnp.maximum(amax, quant.SCALE_EPS),
@@ -223,7 +223,7 @@ def _store_quantized(
     q_ref[:, pl.ds(group * width, width)] = _saturate(quotient, interpret=interpret).astype(
         q_ref.dtype
     )
-    if is_scales_transposed:
+    if is_scales_group_major:
         scale_ref[pl.ds(group, 1), :] = scale.reshape(1, -1)
     else:
         scale_ref[:, pl.ds(group, 1)] = scale
@@ -240,7 +240,7 @@ def _act_quant_kernel(
     *,
     activation: str,
     group_size: int,
-    is_scales_transposed: bool,
+    is_scales_group_major: bool,
     interpret: bool,
 ):
     """act(gate) * up quantized, for the program's rows and groups; with `expert_ids_ref`
@@ -258,7 +258,7 @@ def _act_quant_kernel(
                 q_ref,
                 scale_ref,
                 group,
-                is_scales_transposed=is_scales_transposed,
+                is_scales_group_major=is_scales_group_major,
                 interpret=interpret,
             )
 
@@ -280,7 +280,7 @@ def _group_quant_kernel(
     scale_ref,
     *,
     group_size: int,
-    is_scales_transposed: bool,
+    is_scales_group_major: bool,
     interpret: bool,
 ):
     for group in range(q_ref.shape[1] // group_size):
@@ -291,7 +291,7 @@ def _group_quant_kernel(
             q_ref,
             scale_ref,
             group,
-            is_scales_transposed=is_scales_transposed,
+            is_scales_group_major=is_scales_group_major,
             interpret=interpret,
         )
 
@@ -306,14 +306,14 @@ def _quantize_call(
     column_offset,
     config,
     name,
-    is_scales_transposed,
+    is_scales_group_major,
     interpret,
     expert_ids=None,
 ):
     """pallas_call over (row blocks, group blocks): reads x's groups [g*G, (g+1)*G) (and the
     same groups shifted by `column_offset` groups for a gated kernel, and each row block's
     `expert_ids` when given), writes q [M, num_groups * group_size] and scales
-    [M, num_groups] (in memory [num_groups, M] with `is_scales_transposed`, returned as the
+    [M, num_groups] (in memory [num_groups, M] with `is_scales_group_major`, returned as the
     transpose)."""
     cfg = heuristic_config(num_rows, num_groups) if config is None else config
     per_program = _triton.largest_power_of_2_divisor(num_groups, cfg.groups_per_program)
@@ -337,7 +337,7 @@ def _quantize_call(
     if expert_ids is not None:
         in_specs.append(pl.BlockSpec((cfg.block_m,), index(lambda i, g: (i,))))
         operands.append(expert_ids)
-    if is_scales_transposed:
+    if is_scales_group_major:
         scales_shape = (num_groups, padded_rows)
         scales_spec = pl.BlockSpec((per_program, cfg.block_m), index(lambda i, g: (g, i)))
     else:
@@ -348,7 +348,7 @@ def _quantize_call(
             functools.partial(
                 kernel,
                 group_size=group_size,
-                is_scales_transposed=is_scales_transposed,
+                is_scales_group_major=is_scales_group_major,
                 interpret=interpret,
             ),
             out_shape=(
@@ -368,7 +368,7 @@ def _quantize_call(
                 f"{'_gm' if cfg.is_group_major else ''}"
             ),
         )(*operands)
-    if is_scales_transposed:
+    if is_scales_group_major:
         return q[:num_rows], scales[:, :num_rows].T
     return q[:num_rows], scales[:num_rows]
 
@@ -412,7 +412,7 @@ def group_quant(
         column_offset=0,
         config=config,
         name="group_quant",
-        is_scales_transposed=False,  # the permute gathers them by token row
+        is_scales_group_major=False,  # the permute gathers them by token row
         interpret=interpret,
     )
 
@@ -425,6 +425,7 @@ def act_and_quant(
     config: ActQuantConfig | None = None,
     interpret: bool = False,
     expert_ids: jax.Array | None = None,
+    is_scales_group_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
 
@@ -437,11 +438,12 @@ def act_and_quant(
       expert_ids: optional int[M], the layout's expert of each row, -1 on padding rows.
         Programs whose rows are all padding are skipped: their rows of q and scales are
         unspecified (the contiguous layout's padding, whose GEMM2 output nothing reads).
+      is_scales_group_major: write the scales as [I // group_size, M] in memory and return
+        their transpose (the same values), for a GEMM2 that reads them through it
+        (`GroupedGemm.is_scales_group_major`): XLA then cancels the two transposes.
 
     Returns:
-      (q float8_e4m3fn[M, I], scales float32[M, I // group_size]). The kernel writes the
-      scales group-major ([I // group_size, M] in memory) and returns their transpose: GEMM2's
-      FP8 kernels (DeepGEMM, Mosaic, Pallas) read them that way, so XLA cancels the transposes.
+      (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
     """
     check_activation(activation)
     if not interpret and activation not in COMPILED_ACTIVATIONS:
@@ -474,7 +476,7 @@ def act_and_quant(
         column_offset=num_groups,
         config=config,
         name=f"act_quant_{activation}",
-        is_scales_transposed=True,
+        is_scales_group_major=is_scales_group_major,
         interpret=interpret,
     )
 

@@ -238,7 +238,7 @@ def _grouped_gemm_kernel(
             # the tile takes one multiply-add: 8% off GEMM1 at T=2048 (64-row tiles) on the H200
             # against part * x_scale * w_scale, within noise at 16-row tiles (BENCHMARKS.md).
             group = k0 // SCALE_BLOCK
-            x_scale = x_scales_ref[group, pl.ds(row0, block_m)]  # contiguous: group-major
+            x_scale = x_scales_ref[pl.ds(row0, block_m), group]
             w_scale = w_scales_ref[expert, col0 // SCALE_BLOCK, group]
             scale = (x_scale[None, :] if is_transposed else x_scale[:, None]) * w_scale
             return acc + part * scale
@@ -368,12 +368,7 @@ def grouped_gemm_contiguous(
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
-    # The kernel reads a row block's scales of one K group contiguously from their transpose
-    # [K/128, M]; the producers (the permute and act*up + quantize kernels) write them that way,
-    # so XLA cancels this transpose against theirs.
-    x_scales_t = None if x_scales is None else x_scales.T
-    if padded_rows != num_rows and x_scales_t is not None:
-        x_scales_t = jnp.pad(x_scales_t, ((0, 0), (0, padded_rows - num_rows)))
+        x_scales = None if x_scales is None else jnp.pad(x_scales, ((0, extra), (0, 0)))
     is_packed = _needs_packing(w)
     if is_packed:  # [E, N, K] FP8 -> [E, N, K/2] uint16 pairs: same bytes, half the elements
         w = jax.lax.bitcast_convert_type(
@@ -393,7 +388,7 @@ def grouped_gemm_contiguous(
         is_column_major=config.is_column_major,
     )
     grid = (padded_rows // config.block_m, n // config.block_n)
-    operands = (expert_ids, x, x_scales_t, w, w_scales) if has_scales else (expert_ids, x, w)
+    operands = (expert_ids, x, x_scales, w, w_scales) if has_scales else (expert_ids, x, w)
     name = (
         f"grouped_gemm_{config.block_m=}_{config.block_n=}_{config.block_k=}"
         f"_{config.num_warps=}_{config.num_stages=}_{config.is_transposed=}"

@@ -539,6 +539,8 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     the sanitizer driver's twin; "auto" never picks it).
     """
 
+    is_scales_group_major = True  # the kernel reads them as [K/128, M]
+
     def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
         self.config = config  # None: `heuristic_config` per call
         self.interpret = interpret

@@ -96,11 +96,12 @@ def _gather_rows_kernel(
     hidden: int,
     num_groups: int,
     has_eviction_hints: bool,
+    is_scales_group_major: bool,
 ):
     """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile.
 
-    The programs of the first column block also copy the rows' scales ([block_m, block_g]) into
-    their transpose out_scales[g, r] (see `_gather_rows`).
+    The programs of the first column block also copy the rows' scales ([block_m, block_g]),
+    into out_scales[r, g], or out_scales[g, r] with `is_scales_group_major`.
     """
     rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
@@ -134,8 +135,13 @@ def _gather_rows_kernel(
             mask=has_source[:, None] & group_ok[None, :],
             other=0,
         )
+        at = (
+            (groups[None, :], rows[:, None])
+            if is_scales_group_major
+            else (rows[:, None], groups[None, :])
+        )
         plt.store(
-            out_scales_ref.at[groups[None, :], rows[:, None]],
+            out_scales_ref.at[at],
             scales,
             mask=row_ok[:, None] & group_ok[None, :],
         )
@@ -151,14 +157,14 @@ def _gather_rows(
     source: jax.Array,
     *,
     config: PermuteConfig,
+    is_scales_group_major: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(x[source[r]], x_scales[source[r]]), zero where source[r] < 0; bit-exact copies.
 
-    The row scales are written group-major (float32[G, M] in memory) and returned as their
-    transpose [M, G]: every FP8 GEMM reads a row block's scales of one K group contiguously
-    (DeepGEMM's MN-major scales, the Mosaic and Pallas kernels' loads) and transposes them
-    back, which XLA then cancels, so no transpose runs between the permute and GEMM1.
+    With `is_scales_group_major` the row scales are written as float32[G, M] and returned as
+    their transpose [M, G], for a GEMM that reads them through that transpose (XLA cancels the
+    two, so no copy runs between the permute and GEMM1).
 
     Args:
       x: [T, H] rows of any 1-, 2- or 4-byte dtype. x_scales: float32[T, G] or None.
@@ -178,12 +184,14 @@ def _gather_rows(
         hidden=hidden,
         num_groups=num_groups,
         has_eviction_hints=config.has_eviction_hints,
+        is_scales_group_major=is_scales_group_major,
     )
     operands = [x] if x_scales is None else [x, x_scales]
     bits = [jax.lax.bitcast_convert_type(a, _BITS_DTYPE[a.dtype.itemsize]) for a in operands]
     out_shape = [jax.ShapeDtypeStruct((num_rows, hidden), bits[0].dtype)]
     if x_scales is not None:
-        out_shape.append(jax.ShapeDtypeStruct((num_groups, num_rows), bits[1].dtype))
+        scales_shape = (num_groups, num_rows) if is_scales_group_major else (num_rows, num_groups)
+        out_shape.append(jax.ShapeDtypeStruct(scales_shape, bits[1].dtype))
     with _triton.quiet_triton_deprecation():
         out = pl.pallas_call(
             kernel,
@@ -197,7 +205,9 @@ def _gather_rows(
             f"_{config.has_eviction_hints=}",
         )(source, *bits)
     out = [jax.lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, operands, strict=True)]
-    return out[0], None if x_scales is None else out[1].T
+    if x_scales is None:
+        return out[0], None
+    return out[0], out[1].T if is_scales_group_major else out[1]
 
 
 def routing_metadata(
@@ -257,7 +267,10 @@ def _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment):
         raise TypeError(f"{expert_map.shape=} {expert_map.dtype=} but int[E_global] is needed")
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "alignment", "config", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_experts", "alignment", "config", "is_scales_group_major", "interpret"),
+)
 def permute(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -267,6 +280,7 @@ def permute(
     expert_map: jax.Array | None = None,
     alignment: int = layouts.DEFAULT_ALIGNMENT,
     config: PermuteConfig | None = None,
+    is_scales_group_major: bool = False,
     interpret: bool = False,
 ) -> layouts.ContiguousLayout:
     """Copies each token once per chosen local expert into expert-contiguous rows.
@@ -282,6 +296,8 @@ def permute(
       expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
       alignment: segment length multiple (128 for DeepGEMM).
       config: block sizes of the copy kernel; None picks `heuristic_config(M, H, itemsize)`.
+      is_scales_group_major: write the row scales as [G, M] in memory (returned transposed, the
+        same values), for a GEMM that reads them so (`GroupedGemm.is_scales_group_major`).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:
@@ -316,7 +332,14 @@ def permute(
         alignment=alignment,
         num_rows=num_rows,
     )
-    rows, row_scales = _gather_rows(x, x_scales, source, config=config, interpret=interpret)
+    rows, row_scales = _gather_rows(
+        x,
+        x_scales,
+        source,
+        config=config,
+        is_scales_group_major=is_scales_group_major,
+        interpret=interpret,
+    )
     return layouts.ContiguousLayout(
         rows=rows,
         row_scales=row_scales,

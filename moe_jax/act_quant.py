@@ -45,10 +45,13 @@ def act_and_quant_reference(
     activation: str = "silu",
     group_size: int = 128,
     expert_ids: jax.Array | None = None,
+    is_scales_group_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-JAX `act_and_quant`: `act_and_mul` then `quant.per_token_group_quant_fp8`, on every
-    row (padding rows named by `expert_ids` may be left unspecified; this computes them too)."""
-    del expert_ids
+    row (padding rows named by `expert_ids` may be left unspecified; this computes them too).
+    `is_scales_group_major` asks a kernel how to lay its output out in memory; XLA lays out
+    its own arrays, and the values are the same either way."""
+    del expert_ids, is_scales_group_major
     return quant.per_token_group_quant_fp8(act_and_mul(h, activation), group_size)
 
 
@@ -124,6 +127,7 @@ def act_and_quant(
     group_size: int = 128,
     impl: str = AUTO,
     expert_ids: jax.Array | None = None,
+    is_scales_group_major: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
 
@@ -137,6 +141,9 @@ def act_and_quant(
         padding rows of the result are then unspecified, and the kernel skips whole blocks
         of them (the layout pads each expert to the alignment; GEMM2's output there is
         never read).
+      is_scales_group_major: have the kernel write the scales as [I // group_size, M] in
+        memory (the values are the same), for a GEMM2 that reads them through that transpose
+        (`GroupedGemm.is_scales_group_major`), so that XLA cancels the transposes.
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
@@ -149,5 +156,11 @@ def act_and_quant(
     )
     chosen = ACT_QUANTS.select(impl, problem)
     return _without_gradient(
-        lambda v: chosen(v, activation=activation, group_size=group_size, expert_ids=expert_ids)
+        lambda v: chosen(
+            v,
+            activation=activation,
+            group_size=group_size,
+            expert_ids=expert_ids,
+            is_scales_group_major=is_scales_group_major,
+        )
     )(h)

@@ -224,6 +224,7 @@ def activate(
     *,
     impl: str = "auto",
     expert_ids: jax.Array | None = None,
+    is_scales_group_major: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """act(gate) * up of GEMM1's output [M, 2I], requantized for GEMM2 on the FP8 path.
 
@@ -232,6 +233,8 @@ def activate(
         path padding rows come out as zeros (GEMM1 may leave garbage there, and the weight
         gradient sums whole segments); the FP8 path (inference) leaves them unspecified and
         may skip computing them: GEMM2's output on padding rows is never read.
+      is_scales_group_major: GEMM2 reads the FP8 scales through their transpose
+        (`GroupedGemm.is_scales_group_major`): the kernel writes them so.
 
     Returns:
       ([M, I] in h's dtype, None) without quantization; (float8_e4m3fn[M, I], float32[M, I/128])
@@ -246,6 +249,7 @@ def activate(
         group_size=call.quant_config.group_size,
         impl=impl,
         expert_ids=expert_ids,
+        is_scales_group_major=is_scales_group_major,
     )
 
 
@@ -339,6 +343,7 @@ class ContiguousExperts(Experts):
             x_scales=prepared.x_scales,
             expert_map=expert_map,
             alignment=gemms.alignment,
+            is_scales_group_major=gemms.gemm1.is_scales_group_major,
             impl=self.permute_impl,
         )
 
@@ -381,12 +386,19 @@ class ContiguousExperts(Experts):
             wgrad=self.wgrad,
         )
 
-    def activate(self, h: jax.Array, call: ExpertsCall, lay=None):
+    def activate(self, h: jax.Array, call: ExpertsCall, lay=None, *, gemms: GemmPair | None = None):
         """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
         (GEMM1 may leave garbage there, and the weight gradient sums over whole segments); on
-        the FP8 path the kernel skips blocks of padding rows, which stay unspecified."""
+        the FP8 path the kernel skips blocks of padding rows, which stay unspecified, and writes
+        the scales in the order `gemms.gemm2` reads them."""
         expert_ids = None if lay is None else lay.expert_ids
-        return activate(h, call, impl=self.act_quant_impl, expert_ids=expert_ids)
+        return activate(
+            h,
+            call,
+            impl=self.act_quant_impl,
+            expert_ids=expert_ids,
+            is_scales_group_major=gemms is not None and gemms.gemm2.is_scales_group_major,
+        )
 
     def second_gemm(
         self, a, a_scales, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
@@ -421,7 +433,7 @@ class ContiguousExperts(Experts):
             h = checkpoint_name(
                 self.first_gemm(lay, weights, gemms=gemms, call=call), RESIDUAL_GEMM1
             )
-            a, a_scales = self.activate(h, call, lay)
+            a, a_scales = self.activate(h, call, lay, gemms=gemms)
             y = self.second_gemm(a, a_scales, lay, weights, gemms=gemms, call=call)
             y = checkpoint_name(y, RESIDUAL_GEMM2)
             return self.unpermute(y, lay, prepared, call)

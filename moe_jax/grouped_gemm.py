@@ -73,10 +73,15 @@ class GroupedGemm(abc.ABC):
       name: registry name.
       alignment: the contiguous layout's segment multiple this backend is built for (the
         default of `layout_alignment`).
+      is_scales_group_major: the backend reads FP8 activation scales [M, K/128] through their
+        transpose [K/128, M] (DeepGEMM's MN-major scales, the Mosaic kernel's row-block
+        loads). The contiguous layout's producers (permute, act*up + quantize) then write them
+        that way, so XLA cancels the transposes and no copy runs between the kernels.
     """
 
     name: str = ""
     alignment: int = layouts.DEFAULT_ALIGNMENT
+    is_scales_group_major: bool = False
 
     def layout_alignment(self, problem: GemmProblem) -> int:
         """The segment multiple to build `problem`'s contiguous layout with when the caller

@@ -80,7 +80,16 @@ COUNTS = _registry("count_expert_num_tokens", _KERNEL_MODULES["count"])
 DESTINATIONS = _registry(
     "contiguous_destinations", _KERNEL_MODULES["destinations"], preference=xla_destinations_first
 )
-PERMUTES.register(FunctionImpl("xla", layouts.permute_reference))
+
+
+def _xla_permute(x, topk_ids, *, is_scales_group_major: bool = False, **kwargs):
+    """`layouts.permute_reference` under the kernels' signature: `is_scales_group_major` asks
+    a kernel how to lay its scales out in memory, and XLA lays out its own arrays."""
+    del is_scales_group_major
+    return layouts.permute_reference(x, topk_ids, **kwargs)
+
+
+PERMUTES.register(FunctionImpl("xla", _xla_permute))
 UNPERMUTES.register(FunctionImpl("xla", layouts.unpermute_reference))
 COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))
 DESTINATIONS.register(FunctionImpl("xla", layouts.contiguous_destinations))
@@ -99,6 +108,7 @@ def permute(
     x_scales: jax.Array | None = None,
     expert_map: jax.Array | None = None,
     alignment: int = layouts.DEFAULT_ALIGNMENT,
+    is_scales_group_major: bool = False,
     impl: str = AUTO,
 ) -> layouts.ContiguousLayout:
     """Copies each token once per chosen local expert into expert-contiguous rows.
@@ -111,6 +121,9 @@ def permute(
       x_scales: optional float32[T, H // 128] scales of FP8 tokens, permuted with the rows.
       expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
       alignment: segment length multiple (128 for DeepGEMM).
+      is_scales_group_major: have the kernel write `row_scales` as [G, M] in memory (the values
+        are the same), for a GEMM1 that reads them through that transpose
+        (`GroupedGemm.is_scales_group_major`), so that XLA cancels the transposes.
       impl: "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
 
     Returns:
@@ -130,6 +143,7 @@ def permute(
             x_scales=x_scales,
             expert_map=expert_map,
             alignment=alignment,
+            is_scales_group_major=is_scales_group_major,
         )
     unpermute_impl = UNPERMUTES.select(impl, problem_for(x))
     statics = (chosen, unpermute_impl, num_experts, alignment, jnp.dtype(x.dtype))

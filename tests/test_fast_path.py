@@ -19,6 +19,7 @@ from test_fused_moe import Problem, assert_close, expected, make_inputs
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe, layouts
 from moe_jax.experts import ExpertWeights, resolve_experts
+from moe_jax.grouped_gemm import XlaGemm
 
 INTERPRET = ModularMoE(
     NoEPPrepareFinalize(quant_impl="pallas_interpret"),
@@ -66,6 +67,55 @@ def test_interpret_pipeline_equals_xla_pipeline_bitwise_on_fp8():
         ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla"),
     )
     np.testing.assert_array_equal(_call(INTERPRET, inputs), _call(xla, inputs))
+
+
+class _GroupMajorXlaGemm(XlaGemm):
+    """The XLA GEMM, declaring that it reads FP8 activation scales group-major."""
+
+    name = "xla_group_major"
+    is_scales_group_major = True
+
+
+def _pallas_calls(jaxpr) -> dict[str, list[tuple[int, ...]]]:
+    """Output shapes of every pallas_call in a jaxpr (nested jaxprs included), by kernel name."""
+    found: dict[str, list[tuple[int, ...]]] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            name = str(eqn.params.get("name_and_src_info", eqn.params.get("name")))
+            found.setdefault(name.split("_")[0], []).extend(v.aval.shape for v in eqn.outvars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    for name, shapes in _pallas_calls(inner).items():
+                        found.setdefault(name, []).extend(shapes)
+    return found
+
+
+@pytest.mark.parametrize("gemm", [XlaGemm(), _GroupMajorXlaGemm()], ids=lambda g: g.name)
+def test_scales_layout_follows_the_gemm_and_keeps_the_values(gemm):
+    """A GEMM that reads scales group-major gets them written so by the permute and the act*up
+    + quantize kernels ([G, M] outputs), and the layer's output keeps every bit."""
+    inputs = make_inputs(CPU_PROBLEM, "fp8", np.random.default_rng(16))
+    layer = ModularMoE(
+        NoEPPrepareFinalize(quant_impl="pallas_interpret"),
+        ContiguousExperts(
+            gemm=gemm, permute_impl="pallas_interpret", act_quant_impl="pallas_interpret"
+        ),
+    )
+    arrays = [
+        jnp.asarray(a)
+        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    ]
+    scales = dict(w1_scale=jnp.asarray(inputs.w1_scale), w2_scale=jnp.asarray(inputs.w2_scale))
+    calls = _pallas_calls(jax.make_jaxpr(lambda *a: layer(*a, **scales))(*arrays).jaxpr)
+    p = CPU_PROBLEM
+    rows = layouts.contiguous_num_rows(p.num_tokens, p.topk, p.num_experts, gemm.alignment)
+    group_major = gemm.is_scales_group_major
+    for kernel, groups in (("permute", p.hidden // 128), ("act", p.inter // 128)):
+        want = (groups, rows) if group_major else (rows, groups)
+        assert want in calls[kernel], (kernel, calls[kernel])
+    np.testing.assert_array_equal(_call(layer, inputs), _call(INTERPRET, inputs))
 
 
 def _has(module: str) -> bool:

@@ -247,19 +247,20 @@ TILE_CONFIGS = [
 
 
 @pytest.mark.parametrize("impl", IMPLS[1:])
+@pytest.mark.parametrize("is_scales_group_major", [False, True], ids=["scales_rows", "scales_gm"])
 @pytest.mark.parametrize(
     "config",
     TILE_CONFIGS,
     ids=lambda c: f"bm{c.block_m}-w{c.num_warps}-g{c.groups_per_program}-gm{c.is_group_major:d}",
 )
-def test_every_tiling_quantizes_the_same_bits(impl, config):
-    """Several groups per program and either grid order only move where a group is computed: the
-    same bits as the reference, for the fused kernel (I of 2 and 3 groups: an odd count clips
-    the tile to one group) and for the group quantization (4 and 6 groups), on row counts that
-    do not fill the last block."""
+def test_every_tiling_quantizes_the_same_bits(impl, is_scales_group_major, config):
+    """Several groups per program, either grid order and either scales layout in memory only
+    move where a value is computed or stored: the same bits as the reference, for the fused
+    kernel (I of 2 and 3 groups: an odd count clips the tile to one group) and for the group
+    quantization (4 and 6 groups), on row counts that do not fill the last block."""
     for problem in (Problem(77, 256, "bfloat16", seed=6), Problem(33, 384, "float32", seed=7)):
         h = _inputs(problem, scale=4.0, salt=2)
-        got = _run_act(impl, h, "silu", config=config)
+        got = _run_act(impl, h, "silu", config=config, is_scales_group_major=is_scales_group_major)
         want = _xla_reference(act_and_quant_reference, h)
         if impl == "pallas":
             _assert_within_one_step(*got, *map(np.asarray, want), max_flips=0.01)

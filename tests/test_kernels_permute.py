@@ -136,8 +136,10 @@ FP8_PROBLEMS = [
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("is_scales_group_major", [False, True], ids=["scales_rows", "scales_gm"])
 @pytest.mark.parametrize("problem", FP8_PROBLEMS, ids=str)
-def test_permute_fp8_rows_carry_scales(impl, problem):
+def test_permute_fp8_rows_carry_scales(impl, is_scales_group_major, problem):
+    """Either layout of the scales in the kernel's memory gives the same values."""
     rng = np.random.default_rng(oracles.seed("permute_fp8", str(problem)))
     ids, expert_map = _routing(problem, rng)
     x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)) * 3, jnp.float32)
@@ -145,7 +147,8 @@ def test_permute_fp8_rows_carry_scales(impl, problem):
     kwargs = dict(
         num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
     )
-    lay = _run(impl, q, ids, x_scales=scales, **kwargs)
+    kernel_kwargs = {} if impl == "reference" else dict(is_scales_group_major=is_scales_group_major)
+    lay = _run(impl, q, ids, x_scales=scales, **kwargs, **kernel_kwargs)
     assert lay.rows.dtype == jnp.float8_e4m3fn and lay.row_scales.dtype == jnp.float32
     _assert_matches_oracle(lay, _oracle(q, ids, x_scales=scales, **kwargs))
     _assert_bitwise(lay, _reference(q, ids, x_scales=scales, **kwargs))

@@ -71,7 +71,9 @@ def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[
         lay,
         weights,
     )
-    a, a_scales = timed("act*up + quantize", lambda h, lay: chosen.activate(h, call, lay), h, lay)
+    a, a_scales = timed(
+        "act*up + quantize", lambda h, lay: chosen.activate(h, call, lay, gemms=gemms), h, lay
+    )
     y = timed(
         f"GEMM2 ({gemms.gemm2.name})",
         lambda a, s, lay, w: chosen.second_gemm(a, s, lay, w, gemms=gemms, call=call),
