@@ -3,6 +3,7 @@ on the CPU."""
 
 import json
 import os
+import shutil
 
 import jax
 import pytest
@@ -165,8 +166,10 @@ def test_kernel_gaps_reads_a_real_trace_and_says_when_it_has_no_gpu(tmp_path):
     from moe_jax.cli import kernel_gaps
 
     fn = jax.jit(lambda x: x * 2 + 1)
-    path, measured = kernel_gaps._trace(fn, (jax.numpy.ones(8),), 1, 2, str(tmp_path))
+    path, measured, clocks = kernel_gaps._trace(fn, (jax.numpy.ones(8),), 1, 2, str(tmp_path))
     assert measured.streamed_ms > 0
+    if shutil.which("nvidia-smi") is None:  # elsewhere a trace this short may end unsampled
+        assert clocks is None
     events, where = kernel_gaps.device_kernels(path)
     if jax.default_backend() == "cpu":
         assert events == [] and "no GPU kernel events" in where and "/host:CPU" in where

@@ -7,7 +7,9 @@ from first kernel start to last kernel end, the time some kernel ran (busy), the
 (gaps), the largest gaps with the kernels on either side, and each kernel's device time (median
 over the forwards). The traced calls are `bench`'s own timing loop (`moe_jax.cli.timing`: host
 clock around bursts of back-to-back calls), so the bench's figure and the device's span of the
-same calls sit side by side:
+same calls sit side by side. It also prints each burst's device span, how much the GEMMs
+slowed from the first forwards to the last, and the GPU's clock over the traced calls
+(`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down as it runs):
 
     python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
     python -m moe_jax.cli.kernel_gaps --decode-tokens 1 --plot stages.png
@@ -31,6 +33,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
+
+from moe_jax.cli import gpu_clocks
 
 TOP_GAPS = 5  # largest gaps listed per report
 
@@ -176,6 +180,31 @@ def stage_times(times: Sequence[KernelTime]) -> dict[str, float]:
     return totals
 
 
+DRIFT_FORWARDS = 5  # forwards averaged at each end of the timeline by `stage_drift`
+
+
+def stage_drift(
+    forwards: Sequence[Sequence[KernelEvent]], stage: str, *, count: int = DRIFT_FORWARDS
+) -> tuple[float, float] | None:
+    """(mean ns per forward of `stage` over the first `count` forwards, the same over the last
+    `count`), or None with fewer than 2 * count forwards: how much the stage slowed (or sped up)
+    while the timeline ran.
+
+    >>> f = [[KernelEvent("gemm", 0, 10.0 + i)] for i in range(4)]
+    >>> stage_drift(f, "GEMMs", count=2)
+    (10.5, 12.5)
+    """
+    if len(forwards) < 2 * count:
+        return None
+
+    def mean(group):
+        return statistics.fmean(
+            sum(e.duration_ns for e in forward if stage_of(e.name) == stage) for forward in group
+        )
+
+    return mean(forwards[:count]), mean(forwards[-count:])
+
+
 def plot_stages(label: str, stages: dict[str, float], host_us: float, path: str) -> None:
     """A horizontal bar per stage (us per forward), titled with the host clock per call."""
     import matplotlib
@@ -264,19 +293,27 @@ def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
     """Times `fn(*args)` as `bench` does (`timing.time_calls`: `samples` bursts of `burst`
     back-to-back calls after its warm-up calls) inside a `jax.profiler` trace, so the host's
     figure and the device timeline come from the same calls. Returns (the .xplane.pb path,
-    the `timing.Timing`)."""
+    the `timing.Timing`, the GPU clock's `gpu_clocks.ClockSummary` over the traced calls or
+    None)."""
     from moe_jax.cli import timing
 
     for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
         jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(trace_dir):
+    # No Python tracer: it made each call's host dispatch a third longer (shape B on the H200,
+    # 2026-12-04: 340 -> about 450 us), and with it each burst's lead-in.
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with (
+        gpu_clocks.ClockMonitor() as clocks,
+        jax.profiler.trace(trace_dir, profiler_options=options),
+    ):
         measured = timing.time_calls(
             lambda: fn(*args), wait=jax.block_until_ready, samples=samples, burst=burst
         )
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    return max(paths, key=os.path.getmtime), measured
+    return max(paths, key=os.path.getmtime), measured, clocks.summary
 
 
 def burst_spans(forwards: Sequence[Sequence[KernelEvent]], burst: int) -> list[float]:
@@ -346,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     timed = args.samples * args.burst
     traced = timing.WARMUP + timed  # time_calls' own warm-up calls run inside the trace too
     with tempfile.TemporaryDirectory() as trace_dir:
-        path, measured = _trace(fn, args_, args.samples, args.burst, trace_dir)
+        path, measured, clocks = _trace(fn, args_, args.samples, args.burst, trace_dir)
         events, where = device_kernels(path)
     print(f"{label}, {traced} calls traced ({args.samples} bursts of {args.burst}): {where}")
     if not events or len(events) % traced:
@@ -362,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spans = burst_spans(forwards, args.burst)
     host_us = measured.streamed_ms * 1e3
     device_us = statistics.median(spans) / 1e3 if spans else float("nan")
+    if spans:
+        print("device span per call, burst by burst: " + ", ".join(f"{s / 1e3:.0f}" for s in spans))
     print(
         f"per call, back to back: host clock {host_us:.1f} us (`bench`'s figure), device span "
         f"{device_us:.1f} us (median of {len(spans)} bursts; the difference is the host's "
@@ -390,6 +429,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {_us(sum(r.ns for r in rest)):>10}          {len(rest)} other kernels")
     stages = stage_times(times)
     print("by stage: " + ", ".join(f"{name} {_us(ns)}" for name, ns in stages.items()))
+    drift = stage_drift(forwards, "GEMMs")
+    if drift is not None:
+        first, last = drift
+        print(
+            f"GEMMs per forward, first {DRIFT_FORWARDS} forwards {_us(first)}, last "
+            f"{DRIFT_FORWARDS} {_us(last)} ({last / first - 1:+.1%}: a GPU that slows down as "
+            "it runs, e.g. at its power cap, times slower the longer it is timed)"
+        )
+    if clocks is not None:
+        print(f"GPU during the traced calls: {clocks.line()}")
     if args.plot:
         plot_stages(label, stages, host_us, args.plot)
         print(f"wrote {args.plot}")
@@ -405,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     source=where,
                     forwards=[dataclasses.asdict(s) for s in summaries],
                     whole=dataclasses.asdict(whole),
+                    gemm_drift_ns=drift,
+                    clocks=None if clocks is None else dataclasses.asdict(clocks),
                 ),
                 f,
                 indent=1,

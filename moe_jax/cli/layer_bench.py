@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
+from moe_jax.cli import gpu_clocks
 from moe_jax.cli.timing import rel_error, time_jax
 from moe_jax.experts import ContiguousExperts, ExpertWeights
 from moe_jax.fused_moe import fused_moe
@@ -224,11 +225,14 @@ def _graph_experts(layer: Layer) -> ContiguousExperts | str:
 
 
 def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
-    """One table row: times, error against the float32 reference, or why it was skipped."""
+    """One table row: times, error against the float32 reference, or why it was skipped; with
+    what the GPU's clock did while the variant was timed ("clocks", where nvidia-smi runs)."""
+    clocks = gpu_clocks.ClockMonitor()
     if name == "torch_deep_gemm_fp8":
         from moe_jax.cli import torch_baseline
 
-        result = torch_baseline.run(layer, iters=iters)
+        with clocks:  # builds and checks the torch pipeline too, then times it
+            result = torch_baseline.run(layer, iters=iters)
         if isinstance(result, str):
             return dict(skipped=result)
         out, ms, latency_ms = result
@@ -238,9 +242,13 @@ def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
             return dict(skipped=built)
         fn, args = built
         out = fn(*args)
-        ms, latency_ms = time_jax(fn, args, iters=iters)
+        with clocks:
+            ms, latency_ms = time_jax(fn, args, iters=iters)
     ref = refs["fp8" if "_fp8" in name else "bf16"]
-    return dict(ms=ms, latency_ms=latency_ms, rel_err=rel_error(out, ref))
+    row = dict(ms=ms, latency_ms=latency_ms, rel_err=rel_error(out, ref))
+    if clocks.summary is not None:
+        row["clocks"] = dataclasses.asdict(clocks.summary)
+    return row
 
 
 def run(

@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from moe_jax.cli import gpu_clocks
+
 
 def format_table(rows: list[dict]) -> str:
     """One line per (shape, variant) row of `layer_bench.run`: times, TFLOPS, ratio, error."""
@@ -28,6 +30,12 @@ def format_table(rows: list[dict]) -> str:
         "ms: per forward, 10 calls back to back (host ahead, as in a model); latency: one "
         "call waited for. x best base: best baseline ms / ms."
     )
+    clocks = [r for r in rows if r.get("clocks")]
+    if clocks:
+        lines.append("GPU while timed (nvidia-smi every 50 ms; a slowed GPU times slower):")
+        for r in clocks:
+            summary = gpu_clocks.ClockSummary(**r["clocks"])
+            lines.append(f"  {r['shape']:<6} {r['variant']:<22} {summary.line()}")
     return "\n".join(lines)
 
 
