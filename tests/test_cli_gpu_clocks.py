@@ -48,6 +48,25 @@ def test_monitor_without_nvidia_smi_records_nothing(monkeypatch):
     assert clocks.summary is None
 
 
+def test_monitor_that_cannot_start_records_nothing(monkeypatch, tmp_path):
+    """An nvidia-smi on the PATH that cannot be executed (here a file without the execute
+    bit, as `shutil.which` is told it exists) leaves the summary empty, and the block runs."""
+    unusable = tmp_path / "nvidia-smi"
+    unusable.write_text("")
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: str(unusable))
+    ran = False
+    with gpu_clocks.ClockMonitor() as clocks:
+        ran = True
+    assert ran and clocks.summary is None
+
+
+def test_summary_line_without_power_readings():
+    summary = gpu_clocks.parse(
+        ["1980, 1980, [N/A], Not Active, Not Active, Not Active, Not Active"]
+    )
+    assert "power" not in summary.line() and "slowed in 0% of 1 samples" in summary.line()
+
+
 def test_monitor_rejects_a_bad_interval():
     with pytest.raises(ValueError, match="interval_ms"):
         gpu_clocks.ClockMonitor(interval_ms=0)

@@ -20,6 +20,7 @@ be missed, never invented.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import statistics
@@ -73,11 +74,11 @@ class ClockSummary:
         'slowed in 10% of 20 samples (power cap 2)'
         """
         slowed = ", ".join(f"{name} {count}" for name, count in self.reasons.items())
+        power = "" if math.isnan(self.power_w_max) else f", power <= {self.power_w_max:.0f} W"
         return (
             f"SM clock {self.sm_mhz_min:.0f}-{self.sm_mhz_top:.0f} MHz (median "
-            f"{self.sm_mhz_median:.0f}, rated {self.sm_mhz_rated:.0f}), power <= "
-            f"{self.power_w_max:.0f} W; slowed in {self.slowed_share:.0%} of {self.samples} "
-            f"samples{f' ({slowed})' if slowed else ''}"
+            f"{self.sm_mhz_median:.0f}, rated {self.sm_mhz_rated:.0f}){power}; slowed in "
+            f"{self.slowed_share:.0%} of {self.samples} samples{f' ({slowed})' if slowed else ''}"
         )
 
 
@@ -147,7 +148,9 @@ class ClockMonitor:
 
     def __enter__(self) -> ClockMonitor:
         smi = shutil.which("nvidia-smi")
-        if smi is not None:
+        if smi is None:
+            return self
+        try:  # a monitor that cannot start records nothing; it never stops a benchmark
             self._process = subprocess.Popen(
                 [
                     smi,
@@ -160,6 +163,8 @@ class ClockMonitor:
                 stderr=subprocess.DEVNULL,
                 text=True,
             )
+        except OSError:
+            self._process = None
         return self
 
     def __exit__(self, *exc) -> None:

@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = stage_times(times)
     print("by stage: " + ", ".join(f"{name} {_us(ns)}" for name, ns in stages.items()))
     drift = stage_drift(forwards, "GEMMs")
-    if drift is not None:
+    if drift is not None and drift[0] > 0:
         first, last = drift
         print(
             f"GEMMs per forward, first {DRIFT_FORWARDS} forwards {_us(first)}, last "
