@@ -25,6 +25,8 @@ def test_time_calls_counts_warmup_latency_and_bursts():
     assert len(calls) == timing.WARMUP + 5 + 3 * 4
     assert len(waits) == timing.WARMUP + 5 + 3  # one wait per streamed sample
     assert out.streamed_ms >= 0 and out.latency_ms >= 0
+    assert len(out.streamed_samples_ms) == 3
+    assert out.streamed_ms == sorted(out.streamed_samples_ms)[1]  # the median of the samples
 
 
 def test_time_calls_without_latency_and_previous_result_dropped():

@@ -7,7 +7,7 @@ from first kernel start to last kernel end, the time some kernel ran (busy), the
 (gaps), the largest gaps with the kernels on either side, and each kernel's device time (median
 over the forwards). The traced calls are `bench`'s own timing loop (`moe_jax.cli.timing`: host
 clock around bursts of back-to-back calls), so the bench's figure and the device's span of the
-same calls sit side by side. It also prints each burst's device span, how much the GEMMs
+same calls sit side by side, burst by burst too. It also prints how much the GEMMs
 slowed from the first forwards to the last, and the GPU's clock over the traced calls
 (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down as it runs):
 
@@ -400,7 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     host_us = measured.streamed_ms * 1e3
     device_us = statistics.median(spans) / 1e3 if spans else float("nan")
     if spans:
-        print("device span per call, burst by burst: " + ", ".join(f"{s / 1e3:.0f}" for s in spans))
+        print(
+            "per call, burst by burst, us: host clock "
+            + ", ".join(f"{ms * 1e3:.0f}" for ms in measured.streamed_samples_ms)
+            + "; device span "
+            + ", ".join(f"{ns / 1e3:.0f}" for ns in spans)
+        )
     print(
         f"per call, back to back: host clock {host_us:.1f} us (`bench`'s figure), device span "
         f"{device_us:.1f} us (median of {len(spans)} bursts; the difference is the host's "

@@ -30,10 +30,12 @@ WARMUP = 2  # calls before timing: compilation, autotuning, DeepGEMM's JIT
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Timing:
-    """Medians in milliseconds per call; `latency_ms` is None when not measured."""
+    """Medians in milliseconds per call; `latency_ms` is None when not measured;
+    `streamed_samples_ms` holds each streamed sample (ms per call, in the order timed)."""
 
     streamed_ms: float
     latency_ms: float | None
+    streamed_samples_ms: tuple[float, ...] = ()
 
 
 def time_calls(
@@ -79,6 +81,7 @@ def time_calls(
     return Timing(
         streamed_ms=statistics.median(streamed),
         latency_ms=statistics.median(latencies) if latencies else None,
+        streamed_samples_ms=tuple(streamed),
     )
 
 
