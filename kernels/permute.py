@@ -1,10 +1,10 @@
 """Pallas GPU permute: tokens -> contiguous expert-major rows (`moe_jax.layouts.ContiguousLayout`).
 
 Two steps. The routing metadata (where each (token, slot) lands, per-expert counts, which token
-feeds each output row) is O(T*k) integers: the destinations and counts come from
-`moe_jax.permute.DESTINATIONS` "auto" (XLA fusions: on the H200 they beat the Pallas kernels of
-`moe_jax.kernels.destinations`, see `moe_jax.permute.xla_destinations_first`; interpret mode runs
-the same XLA ops), and a jnp scatter inverts them into the token of each row. A
+feeds each output row) is O(T*k) integers from `moe_jax.permute.ROUTING_METADATA` "auto": XLA's
+fusions (on the H200 they beat the one kernel of `moe_jax.kernels.routing_metadata` except at
+layer shape A, see `moe_jax.permute.xla_routing_metadata_first`; interpret mode runs the same
+XLA ops). A
 Pallas Triton kernel then does the heavy part in gather form: one program per block of output rows
 and hidden columns reads the source token of each row and copies it, writing zeros on padding
 rows. Every output element is written exactly once, with no atomics, so interpret mode (CPU tests)
@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plt
 
 from moe_jax import layouts
 from moe_jax.kernels import _triton
-from moe_jax.permute import DESTINATIONS, PERMUTES, problem_for
+from moe_jax.permute import PERMUTES, ROUTING_METADATA, problem_for
 from moe_jax.registry import AUTO
 
 _ROW_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
@@ -210,39 +210,6 @@ def _gather_rows(
     return out[0], out[1].T if is_scales_group_major else out[1]
 
 
-def routing_metadata(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Destinations of a routing in the contiguous layout (see the module docstring).
-
-    Args:
-      local_ids: int32[T, k] local ids in [0, E) or -1 (`layouts.map_expert_ids`), T*k > 0.
-      impl: the `moe_jax.permute.DESTINATIONS` implementation of the destinations and counts
-        ("auto", as the permute kernel passes, or a name).
-
-    Returns:
-      (inverse int32[T, k] (-1 invalid), num_tokens_per_expert int32[E], expert_ends int32[E],
-      source int32[M] token feeding each row (-1 padding), expert_ids int32[M] (-1 padding)).
-    """
-    num_tokens, topk = local_ids.shape
-    num_pairs = num_tokens * topk
-    flat = local_ids.reshape(-1)
-    inverse, counts, ends = DESTINATIONS.select(impl, problem_for(local_ids))(
-        local_ids, num_experts=num_experts, alignment=alignment
-    )
-    dest = inverse.reshape(-1)
-    scatter_to = jnp.where(dest >= 0, dest, num_rows)  # out of range -> dropped
-    pair_of_row = (
-        jnp.full((num_rows,), -1, jnp.int32)
-        .at[scatter_to]
-        .set(jnp.arange(num_pairs, dtype=jnp.int32), mode="drop")
-    )
-    has_pair = pair_of_row >= 0
-    source = jnp.where(has_pair, pair_of_row // topk, -1)
-    expert_ids = jnp.where(has_pair, flat[jnp.maximum(pair_of_row, 0)], -1)
-    return inverse, counts, ends, source, expert_ids
-
-
 def _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment):
     if x.ndim != 2 or x.dtype not in _ROW_DTYPES:
         raise TypeError(
@@ -326,16 +293,13 @@ def permute(
     local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
     if config is None:
         config = heuristic_config(num_rows, x.shape[1], x.dtype.itemsize)
-    inverse, counts, ends, source, expert_ids = routing_metadata(
-        local,
-        num_experts=num_experts,
-        alignment=alignment,
-        num_rows=num_rows,
+    meta = ROUTING_METADATA.select(AUTO, problem_for(local))(
+        local, num_experts=num_experts, alignment=alignment, num_rows=num_rows
     )
     rows, row_scales = _gather_rows(
         x,
         x_scales,
-        source,
+        meta.source,
         config=config,
         is_scales_group_major=is_scales_group_major,
         interpret=interpret,
@@ -343,10 +307,10 @@ def permute(
     return layouts.ContiguousLayout(
         rows=rows,
         row_scales=row_scales,
-        expert_ids=expert_ids,
-        inverse=inverse,
-        num_tokens_per_expert=counts,
-        expert_ends=ends,
+        expert_ids=meta.expert_ids,
+        inverse=meta.inverse,
+        num_tokens_per_expert=meta.num_tokens_per_expert,
+        expert_ends=meta.expert_ends,
     )
 
 

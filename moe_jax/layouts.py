@@ -130,8 +130,7 @@ def contiguous_destinations(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Where each (token, slot) lands in the contiguous layout.
 
-    The pure-JAX reference of `moe_jax.kernels.contiguous_destinations` (front:
-    `moe_jax.permute.contiguous_destinations`).
+    The XLA part of `routing_metadata` (the reference of `moe_jax.kernels.routing_metadata`).
 
     Args:
       local_ids: int32[T, k] local ids in [0, E) or -1 (from `map_expert_ids`); any other id
@@ -172,6 +171,90 @@ def contiguous_destinations(
     return inverse, counts, ends
 
 
+@pytree_dataclass
+class RoutingMetadata:
+    """Where a routing's pairs go in the contiguous layout, and what feeds each row.
+
+    Attributes:
+      inverse: int32[T, k] row of each (token, slot), -1 for slots routed nowhere.
+      num_tokens_per_expert: int32[E] valid rows per expert.
+      expert_ends: int32[E] one past the last (padded) row of each expert's segment.
+      source: int32[M] token copied into each row, -1 on padding.
+      expert_ids: int32[M] local expert of each row, -1 on padding.
+    """
+
+    inverse: jax.Array
+    num_tokens_per_expert: jax.Array
+    expert_ends: jax.Array
+    source: jax.Array
+    expert_ids: jax.Array
+
+
+def check_routing_metadata_args(
+    local_ids: jax.Array, num_experts: int, alignment: int, num_rows: int
+) -> None:
+    """Raises naming the argument of `routing_metadata` (or its kernel) that is wrong."""
+    if local_ids.ndim != 2 or not jnp.issubdtype(local_ids.dtype, jnp.integer):
+        raise TypeError(f"{local_ids.shape=} {local_ids.dtype=} but int[T, k] is needed")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{num_experts=} but a positive int is needed")
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{alignment=} but a positive int is needed")
+    needed = contiguous_num_rows(*local_ids.shape, num_experts, alignment)
+    if not isinstance(num_rows, int) or num_rows < needed:
+        raise ValueError(
+            f"{num_rows=} but the layout of {local_ids.shape} ids over {num_experts} experts "
+            f"(alignment {alignment}) can need {needed} rows: pass contiguous_num_rows(...)"
+        )
+
+
+def routing_metadata(
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int
+) -> RoutingMetadata:
+    """The contiguous layout's routing metadata, in pure JAX (the reference of
+    `moe_jax.kernels.routing_metadata`; front: `moe_jax.permute.routing_metadata`).
+
+    Args:
+      local_ids: int[T, k] local ids in [0, E) or -1 (from `map_expert_ids`); any other id goes
+        nowhere too.
+      num_experts: E.
+      alignment: segment length multiple.
+      num_rows: M, at least `contiguous_num_rows(T, k, E, alignment)`.
+
+    Returns:
+      `RoutingMetadata`: the destinations of `contiguous_destinations`, and for each of the M
+      rows the token it copies and its expert (-1 on padding).
+
+    Example:
+      >>> meta = routing_metadata(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4,
+      ...                         num_rows=12)
+      >>> meta.source.tolist(), meta.expert_ids.tolist()
+      ([0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1], [0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1])
+    """
+    check_routing_metadata_args(local_ids, num_experts, alignment, num_rows)
+    topk = local_ids.shape[1]
+    inverse, counts, ends = contiguous_destinations(
+        local_ids, num_experts=num_experts, alignment=alignment
+    )
+    flat = local_ids.astype(jnp.int32).reshape(-1)
+    dest = inverse.reshape(-1)
+    scatter_to = jnp.where(dest >= 0, dest, num_rows)  # out of range -> dropped
+    # One scatter of each row's pair; its token and expert follow from the pair.
+    pair_of_row = (
+        jnp.full((num_rows,), -1, jnp.int32)
+        .at[scatter_to]
+        .set(jnp.arange(flat.size, dtype=jnp.int32), mode="drop")
+    )
+    has_pair = pair_of_row >= 0
+    return RoutingMetadata(
+        inverse=inverse,
+        num_tokens_per_expert=counts,
+        expert_ends=ends,
+        source=jnp.where(has_pair, pair_of_row // topk, -1),
+        expert_ids=jnp.where(has_pair, flat[jnp.maximum(pair_of_row, 0)], -1),
+    )
+
+
 def permute_reference(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -204,16 +287,8 @@ def permute_reference(
     num_tokens, topk = topk_ids.shape
     num_rows = contiguous_num_rows(num_tokens, topk, num_experts, alignment)
     local = map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    inverse, counts, ends = contiguous_destinations(
-        local, num_experts=num_experts, alignment=alignment
-    )
-    flat_dest = inverse.reshape(-1)
-    scatter_to = jnp.where(flat_dest >= 0, flat_dest, num_rows)  # out of range -> dropped
-    token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), topk)
-    source = jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(token_of_pair, mode="drop")
-    expert_ids = (
-        jnp.full((num_rows,), -1, jnp.int32).at[scatter_to].set(local.reshape(-1), mode="drop")
-    )
+    meta = routing_metadata(local, num_experts=num_experts, alignment=alignment, num_rows=num_rows)
+    source = meta.source
     has_source = source >= 0
 
     def gather(a: jax.Array) -> jax.Array:
@@ -223,10 +298,10 @@ def permute_reference(
     return ContiguousLayout(
         rows=gather(x),
         row_scales=None if x_scales is None else gather(x_scales),
-        expert_ids=expert_ids,
-        inverse=inverse,
-        num_tokens_per_expert=counts,
-        expert_ends=ends,
+        expert_ids=meta.expert_ids,
+        inverse=meta.inverse,
+        num_tokens_per_expert=meta.num_tokens_per_expert,
+        expert_ends=meta.expert_ends,
     )
 
 

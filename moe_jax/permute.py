@@ -1,5 +1,5 @@
 """Layout ops: permute (tokens -> expert-contiguous rows), unpermute (rows -> weighted token sums)
-per-expert token counts and the contiguous layout's destinations, each with a registry of
+per-expert token counts and the contiguous layout's routing metadata, each with a registry of
 implementations.
 
 Implementations, chosen by `impl` through `moe_jax.registry` (the same rule as every op):
@@ -8,7 +8,8 @@ Implementations, chosen by `impl` through `moe_jax.registry` (the same rule as e
 - "pallas": the Pallas Triton kernels in `moe_jax.kernels`; NVIDIA GPUs only.
 - "pallas_interpret": the same kernels in Pallas interpret mode (CPU tests; never automatic).
 - "auto": "pallas" on a GPU, "xla" elsewhere (`registry.pallas_then_xla`), except for the
-  destinations, where "auto" is "xla" everywhere (`xla_destinations_first`: measured faster).
+  routing metadata, where "auto" is "xla" everywhere (`xla_routing_metadata_first`: the one
+  Pallas kernel wins at layer shape A only).
 
 Every implementation returns bit-identical layouts; unpermute sums in float32 in slot order.
 
@@ -45,7 +46,7 @@ _KERNEL_MODULES = {
     "permute": "moe_jax.kernels.permute",
     "unpermute": "moe_jax.kernels.unpermute",
     "count": "moe_jax.kernels.count",
-    "destinations": "moe_jax.kernels.destinations",
+    "routing_metadata": "moe_jax.kernels.routing_metadata",
 }
 
 
@@ -61,14 +62,14 @@ def _registry(
     )
 
 
-def xla_destinations_first(problem: OpProblem) -> tuple[str, ...]:
-    """The destinations' preference: XLA on every platform; the Pallas kernels by name only.
+def xla_routing_metadata_first(problem: OpProblem) -> tuple[str, ...]:
+    """The routing metadata's preference: XLA on every platform; the Pallas kernel by name only.
 
-    H200 evidence (2026-12-01, ncu device times of one FP8 forward at layer shape B, T=8192
-    E=128 k=8, BENCHMARKS.md "Prefill"): the two Pallas kernels take 20.4 + 36.5 us,
-    against about 28 us for XLA's fusions of the same destinations (40.7 us for all of the
-    routing metadata's XLA fusions on 2026-11-29, of which 12.4 us are the ones both keep);
-    host-timed at shape A, 46.7 us against XLA's 41.9.
+    H200 evidence (2026-12-04, `python scripts/destinations_bench.py --metadata`, device time per
+    call alone, BENCHMARKS.md "Prefill"): the kernel of `moe_jax.kernels.routing_metadata` took
+    12.7 us at layer shape A (T*k = 32768, E=32) against XLA's 15.3, but 43.9 us at shape B
+    (65536 pairs, E=128; 27.4 with 256 chunks) against 27.0, and 119 us at T=1 (E=256) against
+    8.7; inside shape B's FP8 forward it took 80.6 us.
     """
     del problem
     return ("xla",)
@@ -77,8 +78,8 @@ def xla_destinations_first(problem: OpProblem) -> tuple[str, ...]:
 PERMUTES = _registry("permute", _KERNEL_MODULES["permute"])
 UNPERMUTES = _registry("unpermute", _KERNEL_MODULES["unpermute"])
 COUNTS = _registry("count_expert_num_tokens", _KERNEL_MODULES["count"])
-DESTINATIONS = _registry(
-    "contiguous_destinations", _KERNEL_MODULES["destinations"], preference=xla_destinations_first
+ROUTING_METADATA = _registry(
+    "routing_metadata", _KERNEL_MODULES["routing_metadata"], preference=xla_routing_metadata_first
 )
 
 
@@ -92,7 +93,7 @@ def _xla_permute(x, topk_ids, *, is_scales_group_major: bool = False, **kwargs):
 PERMUTES.register(FunctionImpl("xla", _xla_permute))
 UNPERMUTES.register(FunctionImpl("xla", layouts.unpermute_reference))
 COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))
-DESTINATIONS.register(FunctionImpl("xla", layouts.contiguous_destinations))
+ROUTING_METADATA.register(FunctionImpl("xla", layouts.routing_metadata))
 
 
 def problem_for(x: jax.Array) -> OpProblem:
@@ -300,28 +301,30 @@ def count_expert_num_tokens(
     return chosen(topk_ids, num_local_experts, expert_map)
 
 
-def contiguous_destinations(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, impl: str = AUTO
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Where each (token, slot) lands in the contiguous layout (see
-    `moe_jax.layouts.contiguous_destinations`); every implementation returns the same bits.
+def routing_metadata(
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
+) -> layouts.RoutingMetadata:
+    """The contiguous layout's routing metadata (see `moe_jax.layouts.routing_metadata`); every
+    implementation returns the same bits.
 
     Args:
       local_ids: int32[T, k] local ids in [0, E), or -1 (`moe_jax.layouts.map_expert_ids`); ids
         outside [0, E) go nowhere.
       num_experts: E.
       alignment: segment length multiple (128 for DeepGEMM).
+      num_rows: M, at least `moe_jax.layouts.contiguous_num_rows(T, k, E, alignment)`.
       impl: as for `permute`.
 
     Returns:
-      (inverse int32[T, k], -1 for slots routed nowhere; num_tokens_per_expert int32[E];
-      expert_ends int32[E]).
+      `moe_jax.layouts.RoutingMetadata`: inverse int32[T, k] (-1 for slots routed nowhere),
+      num_tokens_per_expert and expert_ends int32[E], source and expert_ids int32[M] (-1 on
+      padding rows).
 
     Example:
-      >>> inverse, counts, ends = contiguous_destinations(
-      ...     jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4)
-      >>> inverse.tolist(), counts.tolist(), ends.tolist()
+      >>> meta = routing_metadata(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4,
+      ...                         num_rows=12)
+      >>> meta.inverse.tolist(), meta.num_tokens_per_expert.tolist(), meta.expert_ends.tolist()
       ([[4, 0], [5, 6]], [1, 3], [4, 8])
     """
-    chosen = DESTINATIONS.select(impl, problem_for(local_ids))
-    return chosen(local_ids, num_experts=num_experts, alignment=alignment)
+    chosen = ROUTING_METADATA.select(impl, problem_for(local_ids))
+    return chosen(local_ids, num_experts=num_experts, alignment=alignment, num_rows=num_rows)

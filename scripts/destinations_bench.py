@@ -1,4 +1,5 @@
-"""Times the contiguous layout's rank methods (`moe_jax.layouts.contiguous_destinations`).
+"""Times the contiguous layout's rank methods (`moe_jax.layouts.contiguous_destinations`), or
+with `--metadata` the whole routing metadata: XLA against the one Pallas kernel.
 
 For each shape, every candidate computes the whole of `contiguous_destinations` (inverse,
 counts, ends; alignment 128) with one rank method: "current" (the code before the blocked
@@ -9,6 +10,11 @@ prefix by cumsum ("prefix=cumsum"), and "sorted". Each is first checked bit for 
 out of range and repeated experts; "current" itself against a NumPy stable-argsort oracle.
 The command exits 1 on any mismatch.
 
+`--metadata` times `moe_jax.layouts.routing_metadata` ("xla": the destinations above with
+`expert_rank.method_for`'s rank, plus the scatter of each row's token and expert) against
+`moe_jax.kernels.routing_metadata` (the one Pallas kernel) at its heuristic and a few other
+block sizes, each first checked bit for bit against "xla" on both routings.
+
 Timing: host clock (`moe_jax.cli.timing.time_calls`: median of `--samples` samples of
 `--burst` back-to-back jitted calls, waited for with `jax.block_until_ready`), and, on a GPU,
 device time from a `jax.profiler` trace of `--trace-samples` bursts (`moe_jax.cli.kernel_gaps`'
@@ -16,6 +22,7 @@ reader): the summed kernel time per call and the kernels per call.
 
     python scripts/destinations_bench.py [--shapes A B decode_128] [--json out.jsonl]
     python scripts/destinations_bench.py --shapes decode_8 --samples 2 --burst 2  # CPU smoke
+    python scripts/destinations_bench.py --metadata [--shapes A B]
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import expert_rank, layouts
+from moe_jax import expert_rank, kernels, layouts
 from moe_jax.cli import kernel_gaps, timing
+from moe_jax.kernels.routing_metadata import heuristic_config as metadata_heuristic
 
 ALIGNMENT = layouts.DEFAULT_ALIGNMENT
 PREVIOUS_PAIRWISE_MAX_PAIRS = 512  # "current": the rule before the blocked rank (cumsum above)
@@ -84,6 +92,34 @@ def candidates(shape: Shape) -> dict[str, Callable]:
     return out
 
 
+def metadata_candidates(shape: Shape, interpret: bool) -> dict[str, Callable]:
+    """Name -> f(local_ids) -> RoutingMetadata: "xla" first, then the Pallas kernel."""
+    num_rows = layouts.contiguous_num_rows(
+        shape.num_tokens, shape.topk, shape.num_experts, ALIGNMENT
+    )
+    kwargs = dict(num_experts=shape.num_experts, alignment=ALIGNMENT, num_rows=num_rows)
+    out = {"xla": functools.partial(layouts.routing_metadata, **kwargs)}
+    base = metadata_heuristic(shape.num_pairs, shape.num_experts)
+    configs = {"pallas heuristic": base}
+    for change in (
+        dict(block_p=base.block_p * 2),
+        dict(block_c=base.block_c * 2),
+        dict(block_c=max(base.block_p, base.block_c // 2)),
+        dict(num_warps=8),
+    ):
+        try:
+            config = dataclasses.replace(base, **change)
+        except ValueError:  # e.g. steps longer than the chunk at a small P
+            continue
+        if config != base:
+            configs["pallas " + " ".join(f"{k}={v}" for k, v in change.items())] = config
+    for name, config in configs.items():
+        out[name] = functools.partial(
+            kernels.routing_metadata, **kwargs, config=config, interpret=interpret
+        )
+    return out
+
+
 def routings(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(timed ids: k distinct experts per token, as a router's top-k; checked-only ids: out of
     range on both sides, the first two slots of every third token on one expert)."""
@@ -117,7 +153,7 @@ def device_time(fn: Callable, ids: jax.Array, samples: int, burst: int) -> dict:
     `samples` bursts of `burst` calls (plus `timing.WARMUP` calls), and the three longest
     kernels (us per call)."""
     with tempfile.TemporaryDirectory() as trace_dir:
-        path, _ = kernel_gaps._trace(fn, (ids,), samples, burst, trace_dir)
+        path, *_ = kernel_gaps._trace(fn, (ids,), samples, burst, trace_dir)
         events, where = kernel_gaps.device_kernels(path)
     calls = timing.WARMUP + samples * burst
     if not events:
@@ -134,6 +170,8 @@ def device_time(fn: Callable, ids: jax.Array, samples: int, burst: int) -> dict:
 
 
 def same_bits(got, want) -> bool:
+    if isinstance(got, layouts.RoutingMetadata):
+        got, want = dataclasses.astuple(got), dataclasses.astuple(want)
     return all(
         np.asarray(g).dtype == np.int32
         and np.asarray(g).shape == np.asarray(w).shape
@@ -145,6 +183,12 @@ def same_bits(got, want) -> bool:
 def bench_shape(shape: Shape, args) -> tuple[list[dict], bool]:
     """JSON rows of one shape, and whether every check passed."""
     timed, awkward = (jnp.asarray(a) for a in routings(shape, args.seed))
+    if args.metadata:
+        fns = {
+            name: jax.jit(fn)
+            for name, fn in metadata_candidates(shape, jax.default_backend() != "gpu").items()
+        }
+        return time_candidates(shape, fns, timed, awkward, {}, args)
     fns = {
         name: jax.jit(
             functools.partial(
@@ -156,16 +200,24 @@ def bench_shape(shape: Shape, args) -> tuple[list[dict], bool]:
         )
         for name, ranker in candidates(shape).items()
     }
-    ok = True
-    expected = {}
+    oracle_ok = {}
     for label, ids in (("timed", timed), ("awkward", awkward)):
-        expected[label] = fns[next(iter(fns))](ids)  # "current" comes first
+        want = fns[next(iter(fns))](ids)  # "current" comes first
         oracle = numpy_destinations(np.asarray(ids), shape.num_experts, ALIGNMENT)
-        if not all(
-            np.array_equal(np.asarray(g), w) for g, w in zip(expected[label], oracle, strict=True)
-        ):
+        oracle_ok[label] = all(
+            np.array_equal(np.asarray(g), w) for g, w in zip(want, oracle, strict=True)
+        )
+        if not oracle_ok[label]:
             print(f"MISMATCH: {shape.name} current vs NumPy on the {label} ids", file=sys.stderr)
-            ok = False
+    return time_candidates(shape, fns, timed, awkward, oracle_ok, args)
+
+
+def time_candidates(shape, fns, timed, awkward, oracle_ok, args) -> tuple[list[dict], bool]:
+    """Checks every candidate against the first, bit for bit, on both routings, then times it."""
+    ok = all(oracle_ok.values())
+    expected = {
+        label: fns[next(iter(fns))](ids) for label, ids in (("timed", timed), ("awkward", awkward))
+    }
     on_gpu = jax.default_backend() == "gpu" and not args.no_profile
     rows = []
     for name, fn in fns.items():
@@ -200,7 +252,9 @@ def bench_shape(shape: Shape, args) -> tuple[list[dict], bool]:
 
 def format_table(rows: list[dict]) -> str:
     """Host and device us per call, and the ratio to "current" of the same shape."""
-    current = {r["shape"]: r for r in rows if r["method"].startswith("current")}
+    current = {}
+    for r in rows:  # the first candidate of each shape ("current", or "xla" with --metadata)
+        current.setdefault(r["shape"], r)
     lines = [
         f"{'shape':<12} {'P':>6} {'E':>4} {'method':<32} {'host us':>8} {'x cur':>6} "
         f"{'dev us':>7} {'x cur':>6} {'kern':>5}  check"
@@ -231,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-samples", type=int, default=3, help="bursts traced on a GPU")
     parser.add_argument("--no-profile", action="store_true", help="host timing only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--metadata", action="store_true", help="time the whole routing metadata, XLA vs Pallas"
+    )
     parser.add_argument("--json", help="also write the rows to this JSON-lines file")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":

@@ -14,8 +14,9 @@ The kernels, each through its front's registry (the names a user passes):
 
 - permute (`PERMUTES` "pallas"): the row gather with and without FP8 scales;
 - unpermute (`UNPERMUTES`): the weighted gather-sum, and the weightless one (permute's VJP);
-- count (`COUNTS`), destinations (`DESTINATIONS`: the contiguous layout's inverse, counts and
-  segment ends), group_quant (`GROUP_QUANTS`), act_and_quant (`ACT_QUANTS`, silu);
+- count (`COUNTS`), routing_metadata (`ROUTING_METADATA`: the contiguous layout's inverse,
+  counts, segment ends and each row's token and expert; the one kernel with atomics and a
+  spin-wait), group_quant (`GROUP_QUANTS`), act_and_quant (`ACT_QUANTS`, silu);
 - the Pallas grouped GEMM (`GEMMS` "pallas"): the FP8 block-scaled kernel and the unscaled bf16
   one on the contiguous layout, and the FP8 kernel on the masked layout, at decode size (the
   first 256 tokens: where "auto" takes it);
@@ -256,10 +257,16 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
             "pallas_interpret",
         ),
         # Raw ids (some negative, some >= E, duplicates in a row): the kernel sends them nowhere.
-        "destinations": Kernel(
+        "routing_metadata": Kernel(
             lambda impl: jax.jit(
-                lambda i: permute.contiguous_destinations(
-                    i, num_experts=e, alignment=layouts.DEFAULT_ALIGNMENT, impl=impl
+                lambda i: permute.routing_metadata(
+                    i,
+                    num_experts=e,
+                    alignment=layouts.DEFAULT_ALIGNMENT,
+                    num_rows=layouts.contiguous_num_rows(
+                        shape.num_tokens, shape.topk, e, layouts.DEFAULT_ALIGNMENT
+                    ),
+                    impl=impl,
                 )
             )(ids),
             "pallas",

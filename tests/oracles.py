@@ -307,6 +307,26 @@ def contiguous_destinations(local_ids, num_experts: int, *, alignment: int):
     return inverse, counts, ends
 
 
+def routing_metadata(local_ids, num_experts: int, *, alignment: int, num_rows: int) -> dict:
+    """`moe_jax.layouts.RoutingMetadata`'s fields by loops: the destinations above, and for each
+    of the `num_rows` rows the token copied there and its expert (-1 on padding)."""
+    local_ids = np.asarray(local_ids)
+    inverse, counts, ends = contiguous_destinations(local_ids, num_experts, alignment=alignment)
+    source = np.full(num_rows, -1, np.int64)
+    expert_ids = np.full(num_rows, -1, np.int64)
+    for (t, j), row in np.ndenumerate(inverse):
+        if row >= 0:
+            source[row] = t
+            expert_ids[row] = local_ids[t, j]
+    return dict(
+        inverse=inverse,
+        num_tokens_per_expert=counts,
+        expert_ends=ends,
+        source=source,
+        expert_ids=expert_ids,
+    )
+
+
 def masked_layout(x, topk_ids, num_experts: int, *, max_m: int, expert_map=None, x_scales=None):
     """Masked layout by loops: each token takes one row of each expert it picks (slots repeating
     an expert share that row), rows [0, count) of an expert in token order; (token, expert) rows

@@ -21,8 +21,7 @@ def test_kernel_bench_tiny_interpret_checks_every_kernel(capsys):
     }
     assert set(lines) == {
         "permute",
-        "metadata alone",
-        "destinations",
+        "metadata",
         "unpermute",
         "group_quant",
         "act_and_quant",
@@ -33,7 +32,7 @@ def test_kernel_bench_tiny_interpret_checks_every_kernel(capsys):
     assert len(permutes) == 2 and all(line.endswith("| exact |") for line in permutes)
     assert "| ok max abs err" in lines["unpermute"]
     assert lines["group_quant"].endswith("| exact |")
-    assert lines["destinations"].endswith("| exact |")
+    assert lines["metadata"].endswith("| exact |")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")

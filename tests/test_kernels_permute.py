@@ -14,7 +14,6 @@ import pytest
 
 from moe_jax import kernels, layouts
 from moe_jax import permute as permute_front
-from moe_jax.kernels.permute import routing_metadata
 from moe_jax.quant import per_token_group_quant_fp8
 
 IMPLS = [
@@ -160,26 +159,6 @@ def test_permute_front_module_runs_the_kernel():
     x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
     got = permute_front.permute(x, ids, num_experts=4, alignment=4, impl="pallas_interpret")
     _assert_bitwise(got, _reference(x, ids, num_experts=4, alignment=4))
-
-
-def test_routing_metadata_many_blocks_matches_reference():
-    # More pairs than one rank block (128): exercises the cross-block prefix. Metadata only.
-    rng = np.random.default_rng(22)
-    ids = jnp.asarray(rng.integers(-1, 9, (97, 5)), jnp.int32)
-    local = layouts.map_expert_ids(ids, num_experts=7)
-    num_rows = layouts.contiguous_num_rows(97, 5, 7, 16)
-    inverse, counts, ends, source, expert_ids = jax.jit(
-        routing_metadata, static_argnames=("num_experts", "alignment", "num_rows")
-    )(local, num_experts=7, alignment=16, num_rows=num_rows)
-    ref = _reference(jnp.zeros((97, 1)), ids, num_experts=7, alignment=16)
-    np.testing.assert_array_equal(inverse, ref.inverse)
-    np.testing.assert_array_equal(counts, ref.num_tokens_per_expert)
-    np.testing.assert_array_equal(ends, ref.expert_ends)
-    np.testing.assert_array_equal(expert_ids, ref.expert_ids)
-    rows = np.asarray(ref.inverse).reshape(-1)
-    expected_source = np.full(num_rows, -1)
-    expected_source[rows[rows >= 0]] = np.repeat(np.arange(97), 5)[rows >= 0]
-    np.testing.assert_array_equal(source, expected_source)
 
 
 @pytest.mark.parametrize(

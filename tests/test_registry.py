@@ -252,8 +252,8 @@ def _run_count():
     return permute.count_expert_num_tokens(IDS, 3)
 
 
-def _run_destinations():
-    return permute.contiguous_destinations(IDS, num_experts=3, alignment=4)
+def _run_routing_metadata():
+    return permute.routing_metadata(IDS, num_experts=3, alignment=4, num_rows=24)
 
 
 def _run_group_quant():
@@ -268,7 +268,7 @@ OPS = [
     pytest.param(permute.PERMUTES, _run_permute, id="permute"),
     pytest.param(permute.UNPERMUTES, _run_unpermute, id="unpermute"),
     pytest.param(permute.COUNTS, _run_count, id="count"),
-    pytest.param(permute.DESTINATIONS, _run_destinations, id="destinations"),
+    pytest.param(permute.ROUTING_METADATA, _run_routing_metadata, id="routing_metadata"),
     pytest.param(act_quant.GROUP_QUANTS, _run_group_quant, id="group_quant"),
     pytest.param(act_quant.ACT_QUANTS, _run_act_quant, id="act_and_quant"),
 ]

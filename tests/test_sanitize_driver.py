@@ -52,7 +52,7 @@ def test_the_driver_covers_every_pallas_kernel_family(driver):
         "unpermute",
         "unpermute_no_weights",
         "count",
-        "destinations",
+        "routing_metadata",
         "group_quant",
         "act_and_quant",
         "grouped_gemm_fp8",

@@ -3,12 +3,12 @@
     python -m moe_jax.cli.kernel_bench              # on a GPU: shapes A and B
     python -m moe_jax.cli.kernel_bench --sweep      # also time a few block configs, keep the best
     python -m moe_jax.cli.kernel_bench --tiny --interpret   # CPU smoke run of this script
-    python -m moe_jax.cli.kernel_bench --kernels destinations --sweep   # one kernel family
+    python -m moe_jax.cli.kernel_bench --kernels metadata --sweep   # one kernel family
 
-Kernels: permute (bf16 and FP8 rows with scales), the contiguous layout's destinations (inverse,
-counts, segment ends), unpermute (weighted gather-sum), group_quant (FP8 quantization of the
-tokens) and act_and_quant (silu(gate) * up + FP8 quantization). Each runs through its public front
-op (`moe_jax.permute.permute(impl=...)`,
+Kernels: permute (bf16 and FP8 rows with scales), the contiguous layout's routing metadata
+(inverse, counts, segment ends, each row's token and expert), unpermute (weighted gather-sum),
+group_quant (FP8 quantization of the tokens) and act_and_quant (silu(gate) * up + FP8
+quantization). Each runs through its public front op (`moe_jax.permute.permute(impl=...)`,
 `moe_jax.act_quant.group_quant(impl=...)`, ...) with `impl="pallas"` (or "pallas_interpret"),
 against `impl="xla"`; `--sweep` also calls the kernel wrappers of `moe_jax.kernels` with other
 configs. Times come from `moe_jax.cli.timing.time_calls` (streamed: medians over samples of
@@ -19,11 +19,10 @@ Bytes moved count each input byte read once and each output byte written once: p
 metadata; unpermute reads the T*k gathered rows, inverse and weights, and writes [T, H]. The
 copy ceiling is a jitted elementwise pass over a ~2 GB array (bytes read + written). Routing:
 uniform random experts per slot (duplicates allowed), as in an untrained router.
-"destinations" times `moe_jax.permute.contiguous_destinations` (the two Pallas kernels of
-`moe_jax.kernels.destinations` against the XLA reference, bit for bit, alignment 128); "metadata
-alone" times the permute kernel's whole routing metadata (`moe_jax.kernels.permute.
-routing_metadata`: the destinations plus the jnp scatter of each row's source token). A kernel
-that fails to compile or run prints its error and a FAILED row; the other kernels still run.
+"metadata" times `moe_jax.permute.routing_metadata` (the one Pallas kernel of
+`moe_jax.kernels.routing_metadata` against the XLA reference, bit for bit, alignment 128): the
+part of the permute that is not the row copy. A kernel that fails to compile or run prints its
+error and a FAILED row; the other kernels still run.
 """
 
 from __future__ import annotations
@@ -42,9 +41,8 @@ from moe_jax import permute as permute_op
 from moe_jax.cli import kernel_report
 from moe_jax.cli.timing import time_calls
 from moe_jax.kernels.act_quant import heuristic_config as act_quant_heuristic
-from moe_jax.kernels.destinations import heuristic_config as destinations_heuristic
 from moe_jax.kernels.permute import heuristic_config as permute_heuristic
-from moe_jax.kernels.permute import routing_metadata
+from moe_jax.kernels.routing_metadata import heuristic_config as metadata_heuristic
 from moe_jax.kernels.unpermute import heuristic_config as unpermute_heuristic
 
 
@@ -74,13 +72,12 @@ PERMUTE_SWEEP = [
     dict(block_m=32, num_warps=8),
     dict(num_warps=8),
 ]
-DESTINATIONS_SWEEP = [
+METADATA_SWEEP = [
     dict(block_c="c/2"),
     dict(block_c="2c"),
     dict(block_p=32),
     dict(block_p=128),
     dict(num_warps=8),
-    dict(num_stages=1),
 ]
 QUANT_SWEEP = [  # overrides of the heuristic (16 rows x 2 groups, 4 warps, group-major)
     dict(block_m=8),
@@ -93,7 +90,7 @@ QUANT_SWEEP = [  # overrides of the heuristic (16 rows x 2 groups, 4 warps, grou
     dict(groups_per_program=4, num_warps=8),
     dict(is_group_major=False),
 ]
-KERNEL_FAMILIES = ("permute", "destinations", "unpermute", "quant")
+KERNEL_FAMILIES = ("permute", "metadata", "unpermute", "quant")
 UNPERMUTE_SWEEP = [
     dict(has_eviction_hints=False),
     dict(block_t=2),
@@ -203,21 +200,6 @@ def _bench_permute(shape, x, q, scales, ids, *, impl, sweep, timer, copy_gbs):
                 config=name,
             )
         )
-    local = layouts.map_expert_ids(ids, num_experts=E)
-    meta = jax.jit(
-        functools.partial(
-            routing_metadata,
-            num_experts=E,
-            alignment=layouts.DEFAULT_ALIGNMENT,
-            num_rows=num_rows,
-            impl=impl,
-        )
-    )
-    rows.append(
-        kernel_report.row(
-            "  metadata alone", shape.name, "int32", us=timer.us(meta, local), copy_gbs=copy_gbs
-        )
-    )
     return rows
 
 
@@ -229,21 +211,22 @@ def _failed_row(kernel: str, shape, error: Exception, copy_gbs: float) -> dict:
     )
 
 
-def _bench_destinations(shape, ids, *, impl, sweep, timer, copy_gbs):
-    """The Pallas destinations against XLA's, on the local ids of the routing (alignment 128)."""
+def _bench_metadata(shape, ids, *, impl, sweep, timer, copy_gbs):
+    """The Pallas routing metadata against XLA's, on the local ids of the routing (alignment
+    128)."""
     E, alignment = shape.num_experts, layouts.DEFAULT_ALIGNMENT
     local = layouts.map_expert_ids(ids, num_experts=E)
-    front = functools.partial(
-        permute_op.contiguous_destinations, num_experts=E, alignment=alignment
-    )
+    num_rows = layouts.contiguous_num_rows(shape.num_tokens, shape.topk, E, alignment)
+    shared = dict(num_experts=E, alignment=alignment, num_rows=num_rows)
+    front = functools.partial(permute_op.routing_metadata, **shared)
     xla = jax.jit(functools.partial(front, impl="xla"))
     try:
         candidates = [
             (f"impl={impl!r} (heuristic config)", jax.jit(functools.partial(front, impl=impl)))
         ]
         if sweep:
-            base = destinations_heuristic(local.size, E)
-            for change in DESTINATIONS_SWEEP:
+            base = metadata_heuristic(local.size, E)
+            for change in METADATA_SWEEP:
                 try:
                     config = _override(base, change)
                 except ValueError:  # e.g. block_p past a small shape's chunk
@@ -252,9 +235,8 @@ def _bench_destinations(shape, ids, *, impl, sweep, timer, copy_gbs):
                     (
                         str(config),
                         functools.partial(
-                            kernels.contiguous_destinations,
-                            num_experts=E,
-                            alignment=alignment,
+                            kernels.routing_metadata,
+                            **shared,
                             config=config,
                             interpret=impl == "pallas_interpret",
                         ),
@@ -263,15 +245,15 @@ def _bench_destinations(shape, ids, *, impl, sweep, timer, copy_gbs):
         us, name, fn = _fastest(timer, candidates, local)
         check = "exact" if _is_bit_equal(fn(local), xla(local)) else "MISMATCH"
     except Exception as error:  # report a lowering failure and go on with the other kernels
-        return [_failed_row("destinations", shape, error, copy_gbs)]
+        return [_failed_row("metadata", shape, error, copy_gbs)]
     return [
         kernel_report.row(
-            "destinations",
+            "metadata",
             shape.name,
             "int32",
             us=us,
             xla_us=timer.us(xla, local),
-            moved=_nbytes(local, *fn(local)),
+            moved=_nbytes(local, *jax.tree.leaves(fn(local))),
             copy_gbs=copy_gbs,
             check=check,
             config=name,
@@ -409,8 +391,8 @@ def run(args: argparse.Namespace) -> tuple[list[dict], float, float]:
         common = dict(impl=impl, timer=timer, copy_gbs=copy_gbs)
         if "permute" in args.kernels:
             rows += _bench_permute(shape, x, q, scales, ids, sweep=args.sweep, **common)
-        if "destinations" in args.kernels:
-            rows += _bench_destinations(shape, ids, sweep=args.sweep, **common)
+        if "metadata" in args.kernels:
+            rows += _bench_metadata(shape, ids, sweep=args.sweep, **common)
         if "unpermute" in args.kernels:
             rows += _bench_unpermute(shape, x, ids, weights, rng, sweep=args.sweep, **common)
         if "quant" in args.kernels:

@@ -65,12 +65,14 @@ class SassSummary:
 def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     """Kernel name -> a builder of (function, abstract arguments) at a layer's size: shape A's
     act*up + quantize (36832 x 4096 bf16 with expert ids) and token quantization (4096 x 7168),
-    its FP8 permute, its unpermute, and the decode grouped GEMM1 of DeepSeek-V3 at T=8 and
-    T=2048 (the latter also without `GroupedGemmConfig.is_fp8_wgmma`)."""
+    its FP8 permute, its unpermute, the routing metadata of shapes A and B, and the decode
+    grouped GEMM1 of DeepSeek-V3 at T=8 and T=2048 (the latter also without
+    `GroupedGemmConfig.is_fp8_wgmma`)."""
     # The modules, not the functions `moe_jax.kernels` exports under the same names.
     act_quant = importlib.import_module("moe_jax.kernels.act_quant")
     grouped_gemm = importlib.import_module("moe_jax.kernels.grouped_gemm")
     permute = importlib.import_module("moe_jax.kernels.permute")
+    routing_metadata = importlib.import_module("moe_jax.kernels.routing_metadata")
     unpermute = importlib.import_module("moe_jax.kernels.unpermute")
 
     def spec(shape, dtype):
@@ -92,6 +94,18 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
             spec((4096, 56), jnp.float32),
             spec((4096, 8), jnp.int32),
         )
+
+    def metadata(num_tokens, num_experts):
+        """The routing metadata of T x 8 ids over E experts (alignment 128)."""
+        layouts = importlib.import_module("moe_jax.layouts")
+        num_rows = layouts.contiguous_num_rows(num_tokens, 8, num_experts, 128)
+
+        def fn(ids):
+            return routing_metadata.routing_metadata(
+                ids, num_experts=num_experts, alignment=128, num_rows=num_rows
+            )
+
+        return lambda: (fn, (spec((num_tokens, 8), jnp.int32),))
 
     def unpermute_bf16():
         def fn(y, inverse, weights):
@@ -134,6 +148,8 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         "group_quant": group,
         "permute_fp8": permute_fp8,
         "unpermute": unpermute_bf16,
+        "routing_metadata_A": metadata(4096, 32),
+        "routing_metadata_B": metadata(8192, 128),
         # T=8 (16-row segments), T=2048 (64-row segments), and T=2048 with the exact
         # accumulation Pallas asks for by default (mma.sync on upcast tiles)
         "grouped_gemm_decode": gemm(1024, 16),
@@ -147,6 +163,8 @@ KERNELS = (
     "group_quant",
     "permute_fp8",
     "unpermute",
+    "routing_metadata_A",
+    "routing_metadata_B",
     "grouped_gemm_decode",
     "grouped_gemm_2048",
     "grouped_gemm_2048_exact",
