@@ -112,7 +112,7 @@ class RoutingMetadataConfig:
 
 
 def heuristic_config(num_pairs: int, num_experts: int) -> RoutingMetadataConfig:
-    """At most `_MAX_CHUNKS` chunks of at least 64 pairs; steps of 64 pairs (32 above 128
+    """At most `_MAX_CHUNKS` chunks of whole steps; steps of 64 pairs (32 above 128
     experts, keeping a step's one-hot at <= 8K lanes).
 
     E.g. T*k = 32768 -> block_c = 256 (128 chunks of 4 steps); 65536 -> 512; 8 -> 16.
