@@ -4,24 +4,15 @@ candidate, so the script is known to work before device time is spent on it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
-
-PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "destinations_bench.py"
+import script_modules
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("destinations_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from script_modules.loaded("destinations_bench")
 
 
 @pytest.mark.parametrize("mode", [[], ["--metadata"]], ids=["rank_methods", "metadata"])

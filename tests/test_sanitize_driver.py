@@ -4,26 +4,16 @@ GPU run; on a GPU with the compiled kernels (the sanitizer runs there: scripts/g
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import pytest
+import script_modules
 
 from moe_jax.registry import NoImplementationError
-
-PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "sanitize_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def driver():
-    spec = importlib.util.spec_from_file_location("sanitize_kernels", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from script_modules.loaded("sanitize_kernels")
 
 
 OFF_GPU = pytest.mark.skipif(

@@ -3,24 +3,15 @@ every program measured, the overhead the difference of the two figures, the JSON
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
-
-PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "waited_overhead.py"
+import script_modules
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("waited_overhead", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from script_modules.loaded("waited_overhead")
 
 
 def test_rows_and_json(script, tmp_path, capsys):

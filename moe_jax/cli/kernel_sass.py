@@ -68,6 +68,8 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     its FP8 permute, its unpermute, the routing metadata of shapes A and B, and the decode
     grouped GEMM1 of DeepSeek-V3 at T=8 and T=2048 (the latter also without
     `GroupedGemmConfig.is_fp8_wgmma`)."""
+    from moe_jax import layouts
+
     # The modules, not the functions `moe_jax.kernels` exports under the same names.
     act_quant = importlib.import_module("moe_jax.kernels.act_quant")
     grouped_gemm = importlib.import_module("moe_jax.kernels.grouped_gemm")
@@ -97,7 +99,6 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
 
     def metadata(num_tokens, num_experts):
         """The routing metadata of T x 8 ids over E experts (alignment 128)."""
-        layouts = importlib.import_module("moe_jax.layouts")
         num_rows = layouts.contiguous_num_rows(num_tokens, 8, num_experts, 128)
 
         def fn(ids):
