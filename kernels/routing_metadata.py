@@ -15,9 +15,9 @@ decides its role (so a program that waits knows that every program it waits for 
    alignment and prefix them over experts (segment starts); then, step by step over `block_p`
    pairs, give pair p the row `start[e] + (pairs of e in earlier chunks and steps) + (its rank
    among earlier pairs of e in the step)`, and write inverse[p], source[row] = p // k and
-   expert_ids[row] = e. Last, it writes -1 to the padding rows of experts c, c + C, ... (the
-   < alignment rows between an expert's pairs and its segment's end) and to its share of the
-   rows past the last segment (at most M of them, M / C per chunk). Ticket C also writes
+   expert_ids[row] = e. Last, it writes -1 to the padding rows of its block of E / C experts
+   (the < alignment rows between an expert's pairs and its segment's end) and to its share of
+   the rows past the last segment (at most M of them, M / C per chunk). Ticket C also writes
    counts and ends.
 
 Each output element is written by exactly one program, so there are no races; the only atomics
@@ -42,15 +42,19 @@ atomics); a destinations program reads "done" atomically, meets its threads at a
 reads the histogram with volatile loads (from L2). The two counters start at zero: an int32[2]
 zeros input aliased to an output, which XLA fills before each call.
 
-Measured on the H200 (2026-12-04, `python scripts/destinations_bench.py --metadata`, device time
-per call alone, BENCHMARKS.md "Prefill"): 12.7 us at layer shape A (T*k = 32768, E=32) against
-15.3 for XLA's fusions (the issue's target was <= 15 us), but 43.9 us at shape B (65536 pairs,
-E=128; 27.4 with 256 chunks) against 27.0, and 119 us at T*k = 8 over 256 experts against 8.7,
-where one program writes every expert's padding in turn. So `moe_jax.permute.ROUTING_METADATA`
-"auto" takes XLA everywhere and this kernel runs by name. Its SASS at shape B (`python -m
-moe_jax.cli.kernel_sass --kernels routing_metadata_B`): 15.3K instructions per program at 255
-registers, against 2.6K at A: each step's one-hot over 128 experts is what a faster form
-would cut.
+Measured on the H200 (2026-12-04, 15:38-18:38 UTC session, `python scripts/destinations_bench.py
+--metadata --shapes A B decode_1 decode_128`, device time per call alone, BENCHMARKS.md
+"Prefill"), against XLA's fusions (`moe_jax.layouts.routing_metadata`): layer shape A (T*k =
+32768, E=32) 13.5 us against 16.0; shape B (65536 pairs, E=128) 25.4 against 27.0; T=128 of
+DeepSeek-V3 (1024 pairs, E=256) 9.0 against 13.4; but T=1 (8 pairs, E=256) 21.8 against 8.3,
+where one program still writes the padding of all 256 experts, 16 at a time. Inside shape B's
+FP8 forward (`kernel_gaps`) it took 41.1 us (30.2 with 8 warps; XLA's metadata stage 28.4), the
+same with XLA's command buffers off, so the slowdown is not a kernel running beside it (cause not
+found). So `moe_jax.permute.ROUTING_METADATA` "auto" takes XLA everywhere and this kernel runs
+by name. The previous form (128 chunks at most, one expert's padding per step) took 43.9 us at
+B and 119 at T=1. SASS at shape B (`python -m moe_jax.cli.kernel_sass --kernels
+routing_metadata_B`): each step's one-hot over 128 experts is the bulk of a program's
+instructions, and what a faster form would cut.
 """
 
 from __future__ import annotations
@@ -68,10 +72,10 @@ from moe_jax.kernels import _triton
 from moe_jax.permute import ROUTING_METADATA
 
 _TICKETS, _DONE = 0, 1  # the two counters
-# Chunks of `block_c` pairs: at most this many, so the histogram programs all run at once on an
-# H200 (132 SMs). Measured there (2026-12-04, device time alone, BENCHMARKS.md "Prefill"): at
-# T*k = 32768, E=32, 128 chunks 12.7 us and 256 chunks 12.8; at 65536, E=128, 43.9 and 27.4 us.
-_MAX_CHUNKS = 128
+# Chunks of `block_c` pairs: at most this many. On the H200 (2026-12-04, device time alone) 256
+# chunks took 25.4 us at T*k = 65536, E=128 against 43.7 for 128 chunks and 30.9 for 512; at
+# 32768, E=32, 13.5 against 13.0 for 128 chunks and 15.6 for 512.
+_MAX_CHUNKS = 256
 # Loops of up to this many steps are unrolled (their loads need not wait on each other); longer
 # ones stay loops: 32 unrolled steps (T*k = 128K pairs) took Triton over 2 minutes to compile.
 MAX_UNROLLED_STEPS = 8
@@ -115,7 +119,7 @@ def heuristic_config(num_pairs: int, num_experts: int) -> RoutingMetadataConfig:
     """At most `_MAX_CHUNKS` chunks of whole steps; steps of 64 pairs (32 above 128
     experts, keeping a step's one-hot at <= 8K lanes).
 
-    E.g. T*k = 32768 -> block_c = 256 (128 chunks of 4 steps); 65536 -> 512; 8 -> 16.
+    E.g. T*k = 32768 -> block_c = 128 (256 chunks of 2 steps); 65536 -> 256; 8 -> 16.
     """
     block_p = min(64 if num_experts <= 128 else 32, max(16, _triton.next_power_of_2(num_pairs)))
     block_c = max(block_p, _triton.next_power_of_2(pl.cdiv(num_pairs, _MAX_CHUNKS)))
@@ -251,33 +255,44 @@ def _mark_padding(
     experts,
 ):
     """-1 in source and expert_ids on padding rows: the < alignment rows after the pairs of
-    experts chunk, chunk + C, ..., and this chunk's share of the rows past the last segment.
+    this chunk's block of experts, and its share of the rows past the last segment.
 
-    One expert at a time: with few chunks (small T*k) a program walks many experts in turn,
-    which is why T*k = 8 over 256 experts took 119 us on the H200 (`ROUTING_METADATA` "auto"
-    never runs it there).
+    Experts go `block_x` at a time ([block_x, block_a] tiles of rows), so one chunk holding all
+    256 experts (T*k = 8) takes 16 steps, not 256.
     """
-    lanes = jnp.arange(block_m, dtype=jnp.int32)
-    minus_one = jnp.full((block_m,), -1, jnp.int32)
+    per_chunk = pl.cdiv(num_experts, num_chunks)
+    block_x = min(16, _triton.next_power_of_2(per_chunk))
+    block_a = min(block_m, _triton.next_power_of_2(max(alignment - 1, 1)))
+    expert_lanes = jnp.arange(block_x, dtype=jnp.int32)
+    row_lanes = jnp.arange(block_a, dtype=jnp.int32)
+    pad_end = starts + counts  # first padding row of each segment
 
     def store(rows, mask):
+        # Masked lanes point past the rows, each at its own index: interpret mode's masked
+        # scatter then cannot write a stale value over another lane's row.
+        lane = jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape)
+        rows = jnp.where(mask, rows, num_rows + lane)
+        minus_one = jnp.full(rows.shape, -1, jnp.int32)
         plt.store(source_ref.at[rows], minus_one, mask=mask)
         plt.store(expert_ids_ref.at[rows], minus_one, mask=mask)
 
-    def expert_step(i, carry):
-        is_expert = experts == chunk + i * num_chunks  # no lane past E: nothing to write
-        first = jnp.sum(jnp.where(is_expert, starts + counts, 0))
-        end = jnp.sum(jnp.where(is_expert, ends, 0))
+    def experts_step(i, carry):
+        mine = chunk * per_chunk + i * block_x + expert_lanes  # [block_x]
+        is_mine = (mine < (chunk + 1) * per_chunk) & (mine < num_experts)
+        pick = experts[None, :] == mine[:, None]  # [block_x, E_pad]
+        first = jnp.sum(jnp.where(pick, pad_end[None, :], 0), axis=1)
+        end = jnp.sum(jnp.where(pick, ends[None, :], 0), axis=1)
 
         def rows_step(j, carry):
-            rows = first + j * block_m + lanes
-            store(rows, rows < end)
+            rows = first[:, None] + j * block_a + row_lanes[None, :]  # [block_x, block_a]
+            store(rows, is_mine[:, None] & (rows < end[:, None]))
             return carry
 
-        return _steps(pl.cdiv(alignment - 1, block_m), rows_step, carry)
+        return _steps(pl.cdiv(alignment - 1, block_a), rows_step, carry)
 
-    _steps(pl.cdiv(num_experts, num_chunks), expert_step, 0)
+    _steps(pl.cdiv(per_chunk, block_x), experts_step, 0)
     used = jnp.max(ends)  # lanes past E end where the last expert does
+    lanes = jnp.arange(block_m, dtype=jnp.int32)
 
     def tail_step(j, carry):
         rows = used + chunk * tail_rows_per_chunk + j * block_m + lanes

@@ -67,9 +67,9 @@ def xla_routing_metadata_first(problem: OpProblem) -> tuple[str, ...]:
 
     H200 evidence (2026-12-04, `python scripts/destinations_bench.py --metadata`, device time per
     call alone, BENCHMARKS.md "Prefill"): the kernel of `moe_jax.kernels.routing_metadata` took
-    12.7 us at layer shape A (T*k = 32768, E=32) against XLA's 15.3, but 43.9 us at shape B
-    (65536 pairs, E=128; 27.4 with 256 chunks) against 27.0, and 119 us at T=1 (E=256) against
-    8.7; inside shape B's FP8 forward it took 80.6 us.
+    13.5 us at layer shape A (T*k = 32768, E=32) against XLA's 16.0, 25.4 at shape B (65536
+    pairs, E=128) against 27.0 and 9.0 at T=128 (E=256) against 13.4, but 21.8 at T=1 against
+    8.3; and inside shape B's FP8 forward it took 41.1 us against XLA's 28.4 (`kernel_gaps`).
     """
     del problem
     return ("xla",)
