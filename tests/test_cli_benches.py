@@ -205,6 +205,34 @@ def test_kernel_gaps_times_kernels_per_forward_by_median():
     assert short_name("void k<1, 2>(int)") == "k<1, 2>"
 
 
+def test_kernel_gaps_refuses_an_unknown_experts_name_before_anything_runs(capsys):
+    from moe_jax.cli import kernel_gaps
+
+    assert kernel_gaps.main(["--shape", "small", "--experts", "deep_gemmm"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --experts 'deep_gemmm'" in err and "'mosaic_fp8'" in err
+
+
+def test_kernel_gaps_counts_mosaic_gpu_kernels_as_gemms():
+    from moe_jax.cli.kernel_gaps import OTHER_STAGE, stage_of
+
+    assert stage_of("anonymous_mosaic_gpu_kernel") == "GEMMs"
+    assert stage_of("input_reduce_fusion") == OTHER_STAGE
+
+
+@pytest.mark.gpu
+def test_kernel_gaps_profiles_the_named_experts(tmp_path, capsys):
+    from moe_jax.cli import kernel_gaps
+
+    path = tmp_path / "gaps.json"
+    argv = ["--shape", "small", "--experts", "xla", "--samples", "1", "--burst", "2"]
+    assert kernel_gaps.main([*argv, "--json", str(path)]) == 0
+    summary = json.loads(path.read_text())
+    assert summary["shape"] == "shape small, experts=xla"
+    assert summary["kernels"] and summary["device_span_us"] > 0
+    assert "experts=xla" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
 def test_kernel_gaps_refuses_a_bad_decode_token_count(capsys):
     from moe_jax.cli import kernel_gaps

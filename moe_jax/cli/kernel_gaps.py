@@ -1,7 +1,8 @@
 """`python -m moe_jax.cli.kernel_gaps`: where a forward's device time goes, kernel by kernel.
 
-Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")` on `bench`'s shapes, or on
-`bench --decode`'s DeepSeek-V3 experts with `--decode-tokens T`) with `jax.profiler`, reads the
+Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")`, or another `--experts` name,
+on `bench`'s shapes, or on `bench --decode`'s DeepSeek-V3 experts with `--decode-tokens T`) with
+`jax.profiler`, reads the
 GPU kernel events of the trace (`jax.profiler.ProfileData`), and reports per forward: the span
 from first kernel start to last kernel end, the time some kernel ran (busy), the idle rest
 (gaps), the largest gaps with the kernels on either side, and each kernel's device time (median
@@ -13,6 +14,7 @@ slowed from the first forwards to the last, and the GPU's clock over the traced 
 
     python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
     python -m moe_jax.cli.kernel_gaps --decode-tokens 1 --plot stages.png
+    python -m moe_jax.cli.kernel_gaps --shape B --experts mosaic_fp8   # one GEMM backend
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
 Python, a synchronisation) or for an allocation. This is the profile issue 14 asks for; `bench
@@ -150,7 +152,9 @@ def kernel_times(forwards: Sequence[Sequence[KernelEvent]]) -> list[KernelTime]:
 
 # Stages of the FP8 forward by kernel name, first match wins (unpermute before permute).
 STAGES = (
-    ("GEMMs", ("gemm",)),  # DeepGEMM's, the Pallas grouped GEMM, XLA's cuBLAS calls
+    # DeepGEMM's, the Pallas grouped GEMM, XLA's cuBLAS calls, and Mosaic GPU kernels (in
+    # moe_jax only its grouped GEMMs, which the profile names "anonymous_mosaic_gpu_kernel")
+    ("GEMMs", ("gemm", "mosaic_gpu")),
     ("act*up + quantize", ("act_quant",)),
     ("unpermute", ("unpermute",)),
     ("permute", ("permute",)),
@@ -265,28 +269,30 @@ def device_kernels(xplane_path: str) -> tuple[list[KernelEvent], str]:
     return [], "no GPU kernel events; planes: " + "; ".join(seen)
 
 
-def _forward_fn(shape_name: str) -> tuple[Callable, tuple]:
-    """The jitted FP8 `fused_moe` forward of a `bench` shape and its arguments."""
+def _forward_fn(shape_name: str, experts: str = "auto") -> tuple[Callable, tuple]:
+    """The jitted FP8 `fused_moe(experts=experts)` forward of a `bench` shape and its arguments."""
     from moe_jax.cli import layer_bench
     from moe_jax.fused_moe import fused_moe
 
     layer = layer_bench.make_layer(layer_bench.SHAPES[shape_name])
     fn = jax.jit(
-        lambda x, w1, w2, tw, ti, s1, s2: fused_moe(x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2)
+        lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
+            x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts
+        )
     )
     args = (layer.x, layer.w1q, layer.w2q, layer.topk_weights, layer.topk_ids, layer.w1s, layer.w2s)
     return fn, args
 
 
-def _decode_forward_fn(num_tokens: int) -> tuple[Callable, tuple]:
-    """The jitted FP8 `fused_moe(experts="auto")` forward of `bench --decode` (DeepSeek-V3
+def _decode_forward_fn(num_tokens: int, experts: str = "auto") -> tuple[Callable, tuple]:
+    """The jitted FP8 `fused_moe(experts=experts)` forward of `bench --decode` (DeepSeek-V3
     experts on one GPU) at `num_tokens` tokens, and its arguments."""
     from moe_jax.cli import decode_bench
 
     shape = decode_bench.SHAPES["deepseek_v3"]
     weights = decode_bench.make_weights(shape)
     x, topk_weights, topk_ids = decode_bench.make_tokens(shape, num_tokens)
-    return decode_bench.layer_fn("auto"), (x, weights, topk_weights, topk_ids)
+    return decode_bench.layer_fn(experts), (x, weights, topk_weights, topk_ids)
 
 
 def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
@@ -344,6 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         help="profile `bench --decode`'s DeepSeek-V3 layer at this many tokens instead of --shape",
     )
+    parser.add_argument(
+        "--experts",
+        default="auto",
+        help="`fused_moe(experts=...)`: auto, a GEMM backend (contiguous layout), or <gemm>_masked",
+    )
     parser.add_argument("--top-kernels", type=int, default=12, help="kernels listed by time")
     parser.add_argument(
         "--samples", type=int, default=5, help="timed bursts traced (each of --burst calls)"
@@ -357,6 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.shape not in layer_bench.SHAPES:
         print(
             f"unknown shape {args.shape!r}; choose from {sorted(layer_bench.SHAPES)}",
+            file=sys.stderr,
+        )
+        return 2
+    from moe_jax.experts import experts_names
+
+    if args.experts not in experts_names():
+        print(
+            f"unknown --experts {args.experts!r}; choose from {list(experts_names())}",
             file=sys.stderr,
         )
         return 2
@@ -376,10 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.decode_tokens is not None:
         label = f"decode T={args.decode_tokens}"
-        fn, args_ = _decode_forward_fn(args.decode_tokens)
+        fn, args_ = _decode_forward_fn(args.decode_tokens, args.experts)
     else:
         label = f"shape {args.shape}"
-        fn, args_ = _forward_fn(args.shape)
+        fn, args_ = _forward_fn(args.shape, args.experts)
+    if args.experts != "auto":
+        label += f", experts={args.experts}"
     timed = args.samples * args.burst
     traced = timing.WARMUP + timed  # time_calls' own warm-up calls run inside the trace too
     with tempfile.TemporaryDirectory() as trace_dir:
