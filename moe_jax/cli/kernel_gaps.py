@@ -2,15 +2,14 @@
 
 Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")`, or another `--experts` name,
 on `bench`'s shapes, or on `bench --decode`'s DeepSeek-V3 experts with `--decode-tokens T`) with
-`jax.profiler`, reads the
-GPU kernel events of the trace (`jax.profiler.ProfileData`), and reports per forward: the span
-from first kernel start to last kernel end, the time some kernel ran (busy), the idle rest
-(gaps), the largest gaps with the kernels on either side, and each kernel's device time (median
-over the forwards). The traced calls are `bench`'s own timing loop (`moe_jax.cli.timing`: host
-clock around bursts of back-to-back calls), so the bench's figure and the device's span of the
-same calls sit side by side, burst by burst too. It also prints how much the GEMMs
-slowed from the first forwards to the last, and the GPU's clock over the traced calls
-(`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down as it runs):
+`jax.profiler`, reads the GPU kernel events of the trace (`jax.profiler.ProfileData`), and
+reports per forward: the span from first kernel start to last kernel end, the time some kernel
+ran (busy), the idle rest (gaps), the largest gaps with the kernels on either side, and each
+kernel's device time (median over the forwards). The traced calls are `bench`'s own timing
+loop (`moe_jax.cli.timing`: host clock around bursts of back-to-back calls), so the bench's
+figure and the device's span of the same calls sit side by side, burst by burst too. It also
+prints how much the GEMMs slowed from the first forwards to the last, and the GPU's clock over
+the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down as it runs):
 
     python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
     python -m moe_jax.cli.kernel_gaps --decode-tokens 1 --plot stages.png
