@@ -11,8 +11,9 @@ contiguous layout under:
 - the N tile (`--block-n-multiples`: `set_block_size_multiple_of((1, n))`, DeepGEMM then models
   only tiles of a multiple of n columns; 1 is its own choice).
 
-Correct first: every configuration's output rows are compared with a float32 product on a
-sample of rows (relative error), and, at one alignment, bit for bit with DeepGEMM's own choice.
+Correct first: every configuration's output (written over NaN) is compared with a float32
+product on a sample of rows (relative error), and its valid rows, at one alignment, bit for bit
+with DeepGEMM's own choice.
 Operands are random (normal FP8 codes, scales in [0.5, 1.5)), never zeros. Timing: CUDA events
 around one call, median of `--iters` after 3 warm-ups; A's GEMMs run into the H200's power
 cap, so compare its rows within one run and in both orders.
@@ -146,6 +147,9 @@ def run_shape(shape: BenchShape, args, deep_gemm) -> list[Row]:
                     deep_gemm.set_block_size_multiple_of((1, multiple))
                     deep_gemm.set_pdl(is_pdl)
                     us = _time_us(call, args.iters)
+                    d.fill_(
+                        float("nan")
+                    )  # poisoned: a call that skips valid rows fails both checks
                     call()
                     valid = d[expert_ids >= 0]
                     if own is None:
