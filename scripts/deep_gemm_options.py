@@ -22,7 +22,7 @@ cap, so compare its rows within one run and in both orders.
         [--block-n-multiples 1 192 160 128 96 64] [--iters 30]
 
 Needs torch with CUDA and deep_gemm (on the H200 host: `source .gpu/install.sh`); the layout
-builder (`contiguous_expert_ids`) runs anywhere torch does.
+builder (`contiguous_expert_ids`, moe_jax's own layout) runs anywhere torch does.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ import functools
 import statistics
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
+from moe_jax import layouts
 from moe_jax.cli.layer_bench import SHAPES, BenchShape
 
 SCALE_BLOCK = 128  # DeepGEMM's scale block: 1 x 128 for activations, 128 x 128 for weights
@@ -42,25 +46,23 @@ SAMPLED_ROWS = 16  # rows checked against float32 per configuration
 
 
 def contiguous_expert_ids(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> torch.Tensor:
-    """int32[M] expert of each row of the contiguous layout, -1 on padding.
+    """int32[M] expert of each row of the contiguous layout, -1 on padding, on `topk_ids`' device.
 
-    Segments in expert order, each padded to `alignment` rows; M is the static worst case
-    `moe_jax.layouts.contiguous_num_rows` rounded to 128 rows (what moe_jax passes DeepGEMM), so
-    rows past the last segment are padding too. Ids outside [0, E) take no row.
+    `moe_jax.layouts.routing_metadata`'s expert ids (computed on JAX's CPU device, so JAX takes
+    no GPU memory beside torch) for M = `contiguous_num_rows(T, k, E, alignment)`, padded with
+    -1 to a multiple of 128 rows (what moe_jax passes DeepGEMM).
     """
-    pairs = topk_ids.numel()
-    worst = pairs + min(pairs, num_experts) * (alignment - 1)
-    num_rows = -(-worst // max(alignment, SCALE_BLOCK)) * max(alignment, SCALE_BLOCK)
-    flat = topk_ids.flatten().long()
-    valid = flat[(flat >= 0) & (flat < num_experts)]
-    counts = torch.bincount(valid, minlength=num_experts)
-    padded = (counts + alignment - 1) // alignment * alignment
-    starts = torch.cumsum(padded, 0) - padded
-    rows = torch.arange(num_rows, device=topk_ids.device)
-    owner = torch.searchsorted(starts, rows, right=True) - 1  # the segment each row falls in
-    first = starts[owner]
-    is_valid = rows - first < counts[owner]
-    return torch.where(is_valid, owner, -1).to(torch.int32)
+    num_tokens, topk = topk_ids.shape
+    num_rows = layouts.contiguous_num_rows(num_tokens, topk, num_experts, alignment)
+    with jax.default_device(jax.devices("cpu")[0]):
+        local = layouts.map_expert_ids(jnp.asarray(topk_ids.cpu().numpy()), num_experts=num_experts)
+        meta = layouts.routing_metadata(
+            local, num_experts=num_experts, alignment=alignment, num_rows=num_rows
+        )
+        expert_ids = torch.from_numpy(np.array(meta.expert_ids))
+    padded = -(-num_rows // SCALE_BLOCK) * SCALE_BLOCK
+    expert_ids = torch.nn.functional.pad(expert_ids, (0, padded - num_rows), value=-1)
+    return expert_ids.to(device=topk_ids.device, dtype=torch.int32)
 
 
 @dataclasses.dataclass(frozen=True)
