@@ -53,8 +53,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm
+from moe_jax import grouped_gemm, quant
+from moe_jax.activation import check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import grouped_gemm as gemm_kernels
+from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS, KERNEL_ACTIVATIONS
 
 SCALE_BLOCK = gemm_kernels.SCALE_BLOCK  # one scale per 128 K columns of x, 128x128 of w
 BLOCK_K = 128  # K columns per pipeline step: one scale block, 128 FP8 bytes (one swizzle row)
@@ -211,17 +213,195 @@ def mosaic_fp8_gemm_contiguous(
     if config is None:
         config = heuristic_config(num_rows=x.shape[0], num_experts=w.shape[0], k=x.shape[1])
     _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype)
-    num_rows, k = x.shape
-    num_experts, n, _ = w.shape
+    num_rows, n = x.shape[0], w.shape[1]
     if num_rows == 0:
         return jnp.zeros((0, n), out_dtype)
     padded_rows = -(-num_rows // BLOCK_M) * BLOCK_M
+    (y,) = _launch(
+        x,
+        w,
+        expert_ids,
+        x_scales,
+        w_scales,
+        n=n,
+        n_tiles=n // config.tile_n,
+        out_types=(jax.ShapeDtypeStruct((padded_rows, n), out_dtype),),
+        out_dtype=jnp.dtype(out_dtype),
+        config=config,
+        num_sms=num_sms,
+        interpret=interpret,
+        activation=None,
+    )
+    return y[:num_rows]
+
+
+def mosaic_fp8_gemm_act_quant_contiguous(
+    x: jax.Array,
+    w1: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    x_scales: jax.Array,
+    w1_scales: jax.Array,
+    alignment: int,
+    activation: str = "silu",
+    config: MosaicFp8GemmConfig | None = None,
+    num_sms: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """GEMM1, act(gate) * up and its FP8 quantization in one kernel, on the contiguous layout.
+
+    The same result as `mosaic_fp8_gemm_contiguous(x, w1, ...)` (bf16 [M, 2I]) followed by
+    `kernels.act_quant.act_and_quant(h, activation=activation, expert_ids=expert_ids)`: each
+    tile's two bf16 halves (gate columns j*128.. and the same up columns) never leave the chip;
+    the epilogue rounds them to bf16 as GEMM1's output, applies the activation with
+    `act_and_quant`'s roundings and quantizes each row's 128 columns with one scale. On the GPU
+    the activation is the compiled act + quant kernel's spelling (silu through exp2), so like that
+    kernel it can move an FP8 code by one step where the activation lands on a bf16 rounding
+    boundary; interpret mode is the reference's arithmetic.
+
+    Args:
+      x: float8_e4m3fn [M, H], rows sorted by expert in segments padded to `alignment` rows,
+        one after another from row 0 and the unused rows after them (the contiguous layout).
+        With `alignment` a multiple of 128 the kernel takes an expert's row blocks in pairs
+        without a tile table (`_kernel`'s `dense_pairs`; the heuristic's grouped configs become
+        pairs): about 30 us of XLA ops fewer at shape B on the H200.
+      w1: float8_e4m3fn [E, 2I, H]: gate rows, then up rows; I a multiple of 128.
+      expert_ids: int32[M] expert of each row, -1 on padding rows (ids outside [0, E) too).
+      x_scales: float32[M, H/128] row-group scales.
+      w1_scales: float32[E, 2I/128, H/128] block scales.
+      alignment: the segments' row multiple, a multiple of 64 (`BLOCK_M`).
+      activation: "silu" on the GPU; any of `moe_jax.activation.ACTIVATIONS` in interpret mode.
+      config: tiles and order (block_n 128 and two compute warpgroups: one scale group of gate
+        and of up per tile); None takes `heuristic_config`'s.
+      num_sms: persistent programs; None: the first local device's SM count.
+      interpret: run in Mosaic GPU's interpret mode (CPU tests).
+
+    Returns:
+      (q float8_e4m3fn[M, I], scales float32[M, I/128]); the scales are written as
+      [I/128, M] in memory (what a group-major GEMM2 reads, `is_scales_group_major`) and
+      returned as their transpose. Padding rows are unspecified.
+    """
+    check_activation(activation)
+    if not interpret and activation not in COMPILED_ACTIVATIONS:
+        raise NotImplementedError(
+            f"activation {activation!r} has no compiled fused epilogue; use one of "
+            f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
+        )
+    dense_pairs = alignment % (2 * BLOCK_M) == 0
+    if config is None:
+        config = heuristic_config(num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1])
+        if dense_pairs and config.group_blocks > 1:  # pairs need no tile table (`_kernel`)
+            config = dataclasses.replace(config, group_blocks=2)
+    dense_pairs = dense_pairs and config.group_blocks == 2
+    _check_operands(x, w1, expert_ids, x_scales, w1_scales, alignment, config, jnp.bfloat16)
+    if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
+        raise ValueError(
+            f"{config}: the fused epilogue needs block_n={SCALE_BLOCK} and num_compute_wgs=2 "
+            "(one warpgroup on a quantization group's gate columns, one on its up columns)"
+        )
+    num_rows = x.shape[0]
+    num_experts, two_i, k = w1.shape
+    inter = two_i // 2
+    if inter % SCALE_BLOCK:
+        raise ValueError(f"w1.shape={w1.shape}: I={inter} is not a multiple of {SCALE_BLOCK}")
+    num_groups = inter // SCALE_BLOCK
+    if num_rows == 0:
+        return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
+    padded_rows = _padded_rows(num_rows, dense_pairs)
+    q, scales_t = _launch(
+        x,
+        w1.reshape(2 * num_experts, inter, k),  # gate and up halves: one TMA box takes both
+        expert_ids,
+        x_scales,
+        w1_scales,
+        n=inter,
+        n_tiles=num_groups,
+        out_types=(
+            jax.ShapeDtypeStruct((padded_rows, inter), quant.FP8_DTYPE),
+            jax.ShapeDtypeStruct((num_groups, padded_rows), jnp.float32),
+        ),
+        out_dtype=jnp.dtype(jnp.bfloat16),
+        config=config,
+        num_sms=num_sms,
+        interpret=interpret,
+        activation=activation,
+        dense_pairs=dense_pairs,
+    )
+    return q[:num_rows], scales_t[:, :num_rows].T
+
+
+def mosaic_fp8_gemm_act_quant_reference(
+    x: jax.Array,
+    w1: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    x_scales: jax.Array,
+    w1_scales: jax.Array,
+    alignment: int,
+    activation: str = "silu",
+    config: MosaicFp8GemmConfig | None = None,
+    num_sms: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-JAX `mosaic_fp8_gemm_act_quant_contiguous` (same arguments; the tiling ones are
+    ignored): XLA's grouped GEMM on the dequantized operands rounded to bf16 (GEMM1's output),
+    then `moe_jax.act_quant.act_and_quant_reference`. Padding rows come out as the quantized
+    zeros."""
+    from moe_jax.act_quant import act_and_quant_reference
+
+    del config, num_sms, interpret
+    h = grouped_gemm.GEMMS.get("xla").contiguous(
+        x,
+        w1,
+        expert_ids,
+        None,
+        x_scales=x_scales,
+        w_scales=w1_scales,
+        alignment=alignment,
+        out_dtype=jnp.bfloat16,
+    )
+    return act_and_quant_reference(h, activation=activation)
+
+
+def _padded_rows(num_rows: int, dense_pairs: bool) -> int:
+    """Rows after padding to whole 64-row blocks (whole 128-row pairs with `dense_pairs`)."""
+    multiple = 2 * BLOCK_M if dense_pairs else BLOCK_M
+    return -(-num_rows // multiple) * multiple
+
+
+def _launch(
+    x,
+    w,
+    expert_ids,
+    x_scales,
+    w_scales,
+    *,
+    n,
+    n_tiles,
+    out_types,
+    out_dtype,
+    config,
+    num_sms,
+    interpret,
+    activation,
+    dense_pairs=False,
+):
+    """Pads the rows to whole 64-row blocks, builds the tile table (with `dense_pairs`, counts
+    the valid 128-row pairs instead) and runs `_kernel`."""
+    num_rows, k = x.shape
+    num_experts = w_scales.shape[0]
+    padded_rows = _padded_rows(num_rows, dense_pairs)
     if padded_rows != num_rows:
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
     block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
-    tiles = _tile_table(block_experts, num_experts, n // config.tile_n, config.group_blocks)
+    if dense_pairs:
+        pair_experts = block_experts[::2]
+        is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
+        tiles = jnp.sum(is_valid, dtype=jnp.int32).reshape(1)
+    else:
+        tiles = _tile_table(block_experts, num_experts, n_tiles, config.group_blocks)
     if num_sms is None:
         num_sms = INTERPRET_SMS if interpret else jax.local_devices()[0].core_count
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -233,11 +413,13 @@ def mosaic_fp8_gemm_contiguous(
             n=n,
             k=k,
             num_sms=num_sms,
-            out_dtype=jnp.dtype(out_dtype),
+            out_dtype=out_dtype,
             config=config,
             interpret=interpret,
+            activation=activation,
+            dense_pairs=dense_pairs,
         ),
-        out_type=jax.ShapeDtypeStruct((padded_rows, n), out_dtype),
+        out_type=out_types,
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=config.num_compute_wgs + 1,
@@ -250,8 +432,7 @@ def mosaic_fp8_gemm_contiguous(
     x_scales_t = x_scales.astype(jnp.float32).T
     if padded_rows != num_rows:
         x_scales_t = jnp.pad(x_scales_t, ((0, 0), (0, padded_rows - num_rows)))
-    y = kernel(block_experts, tiles, x, x_scales_t, w, w_scales.astype(jnp.float32))
-    return y[:num_rows]
+    return kernel(block_experts, tiles, x, x_scales_t, w, w_scales.astype(jnp.float32))
 
 
 def _tile_table(block_experts: jax.Array, num_experts: int, n_tiles: int, group: int) -> jax.Array:
@@ -319,9 +500,8 @@ def _kernel(
     xs_gmem,
     w_gmem,
     ws_gmem,
-    # output
-    out_gmem,
-    *,
+    # outputs: y [M, N]; with `activation`, q [M, I] and its scales [I/128, M]
+    *outputs,
     num_experts: int,
     n: int,
     k: int,
@@ -329,13 +509,30 @@ def _kernel(
     out_dtype: jnp.dtype,
     config: MosaicFp8GemmConfig,
     interpret: bool,
+    activation: str | None = None,
+    dense_pairs: bool = False,
 ):
-    """One persistent program: this SM's tiles of the valid row blocks (module docstring)."""
+    """One persistent program: this SM's tiles of the valid row blocks (module docstring).
+
+    With `dense_pairs`, tiles_gmem is int32[1], the number of valid 128-row pairs of blocks (a
+    contiguous layout of 128-row segments: the valid pairs come first, and each pair's first
+    block is its expert's), and tile t is column tile (t mod 2 n_tiles) // 2 of block
+    2 (t // 2 n_tiles) + t mod 2, with the pair's expert: the order `_tile_table` gives groups of
+    2 without building it. A pair's second block may be all padding; it is computed anyway.
+
+    With `activation`, w_gmem is GEMM1's weight seen as [2E, I, K] (expert e's gate rows at 2e,
+    its up rows at 2e + 1)
+    and each tile is 128 gate and the same 128 up columns: compute warpgroup 0 takes the gate,
+    1 the up columns, and the tile's epilogue (`_store_act_quant`) writes act(gate) * up
+    quantized to FP8 instead of the two bf16 halves."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bm, bn, tile_n = BLOCK_M, config.block_n, config.tile_n
-    k_steps, n_tiles = k // BLOCK_K, n // tile_n
+    k_steps = k // BLOCK_K
+    is_gated = activation is not None
+    # gated: column tile j is gate rows [j*bn, (j+1)*bn) and the same rows of up, n = I
+    n_tiles = n // bn if is_gated else n // tile_n
     steps = config.max_concurrent_steps
     per_step = config.k_blocks_per_step(k)
     is_overlapped = per_step == 2
@@ -351,7 +548,11 @@ def _kernel(
             in_specs=[
                 plgpu.BlockSpec((bm, block_k), lambda s: (0, s), transforms=transforms),
                 plgpu.BlockSpec((per_step, bm), lambda s: (s, 0)),
-                plgpu.BlockSpec((tile_n, block_k), lambda s: (0, s), transforms=transforms),
+                (
+                    plgpu.BlockSpec((2, bn, block_k), lambda s: (0, 0, s), transforms=transforms)
+                    if is_gated
+                    else plgpu.BlockSpec((tile_n, block_k), lambda s: (0, s), transforms=transforms)
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=config.num_compute_wgs,
@@ -363,27 +564,55 @@ def _kernel(
     def ignore(*args, **kwargs):
         del args, kwargs
 
-    allocations = make_pipeline(ignore, ignore).get_allocations(
-        x_gmem.at[pl.ds(0, bm)], xs_gmem.at[:, pl.ds(0, bm)], w_gmem.at[0, pl.ds(0, tile_n)]
-    )
+    def weight_tile(expert, column_tile):
+        """The weight rows of one tile in global memory: [tile_n, K], or [2, bn, K] gated."""
+        if is_gated:
+            # [2E, I, K]: the expert's gate and up halves as one slice of the leading axis (an
+            # integer index there would take the TMA past its 5 strided dimensions)
+            return w_gmem.at[pl.ds(2 * expert, 2), pl.ds(column_tile * bn, bn)]
+        return w_gmem.at[expert, pl.ds(column_tile * tile_n, tile_n)]
 
-    @functools.partial(
-        pl.run_scoped,
-        allocations=allocations,
-        out_smem=plgpu.SMEM((config.num_compute_wgs, bm, bn), out_dtype),
-        collective_axes="wg",
+    def weight_rows(w_smem, wg):
+        """This compute warpgroup's bn weight rows of a pipeline slot."""
+        return w_smem.at[wg] if is_gated else w_smem.at[pl.ds(wg * bn, bn)]
+
+    allocations = make_pipeline(ignore, ignore).get_allocations(
+        x_gmem.at[pl.ds(0, bm)], xs_gmem.at[:, pl.ds(0, bm)], weight_tile(0, 0)
     )
-    def _scope(allocations, out_smem):
+    if is_gated:
+        scratch = dict(
+            h_smem=plgpu.SMEM((2, bm, bn), jnp.bfloat16),  # the tile's gate and up halves
+            # [0], [1]: each warpgroup's row maxima; [2]: the tile's scales
+            row_smem=plgpu.SMEM((3, bm), jnp.float32),
+            q_smem=plgpu.SMEM((2, bm, bn // 2), outputs[0].dtype),
+            # completes twice per tile: both halves stored, both row maxima stored
+            epilogue_barrier=plgpu.Barrier(num_arrivals=2),
+        )
+    else:
+        scratch = dict(out_smem=plgpu.SMEM((config.num_compute_wgs, bm, bn), out_dtype))
+
+    @functools.partial(pl.run_scoped, allocations=allocations, **scratch, collective_axes="wg")
+    def _scope(allocations, **scratch):
         wg = jax.lax.axis_index("wg")
 
         def run_tile(tile, state=None):
             """The K pipeline of one output tile (entry `tile` of `_tile_table`)."""
-            code = tiles_gmem[tile]
-            block = jax.lax.div(code, jnp.int32(n_tiles))
-            expert = block_experts_gmem[block]
-            col0 = jax.lax.rem(code, jnp.int32(n_tiles)) * tile_n
-            wg_col0 = col0 + wg * bn  # this compute warpgroup's first output column
-            scale_col = jax.lax.div(wg_col0, jnp.int32(SCALE_BLOCK))
+            if dense_pairs:
+                pair, in_pair = jax.lax.div(tile, 2 * n_tiles), jax.lax.rem(tile, 2 * n_tiles)
+                block = 2 * pair + jax.lax.rem(in_pair, 2)
+                column_tile = jax.lax.div(in_pair, 2)
+                expert = block_experts_gmem[2 * pair]
+            else:
+                code = tiles_gmem[tile]
+                block = jax.lax.div(code, jnp.int32(n_tiles))
+                expert = block_experts_gmem[block]
+                column_tile = jax.lax.rem(code, jnp.int32(n_tiles))
+            if is_gated:  # gate scale blocks [0, I/128), then up's
+                wg_col0 = column_tile * bn  # this tile's first output (gate / up) column
+                scale_col = wg * (n // SCALE_BLOCK) + jax.lax.div(wg_col0, jnp.int32(SCALE_BLOCK))
+            else:
+                wg_col0 = column_tile * tile_n + wg * bn  # this warpgroup's first output column
+                scale_col = jax.lax.div(wg_col0, jnp.int32(SCALE_BLOCK))
 
             def scaled(part, row_scale):
                 return part * jax.lax.broadcast_in_dim(row_scale, (bm, bn), (0,))
@@ -391,14 +620,14 @@ def _kernel(
             def step(indices, x_smem, xs_smem, w_smem, acc):
                 (kb,) = indices
                 w_scale = ws_gmem[expert, scale_col, kb]
-                part = _block_product(x_smem, w_smem.at[pl.ds(wg * bn, bn)], interpret)
+                part = _block_product(x_smem, weight_rows(w_smem, wg), interpret)
                 return acc + scaled(part, xs_smem[0] * w_scale)
 
             def overlapped_step(indices, x_smem, xs_smem, w_smem, acc):
                 """K blocks 2s and 2s + 1: both wgmmas in flight, the first scaled while the
                 second runs."""
                 (s,) = indices
-                w_chunk = w_smem.at[pl.ds(wg * bn, bn)]
+                w_chunk = weight_rows(w_smem, wg)
                 halves = [
                     (
                         x_smem.at[:, pl.ds(h * BLOCK_K, BLOCK_K)],
@@ -423,22 +652,32 @@ def _kernel(
 
             def compute_context(eval_pipeline):
                 acc = eval_pipeline(jnp.zeros((bm, bn), jnp.float32))
+                rows = pl.ds(block * bm, bm)
+                if is_gated:
+                    _store_act_quant(
+                        acc, wg, rows, column_tile, outputs, scratch, activation, interpret
+                    )
+                    return
+                out_smem = scratch["out_smem"]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
                 out_smem[wg] = acc.astype(out_dtype)
                 plgpu.commit_smem()
-                rows = pl.ds(block * bm, bm)
+                (out_gmem,) = outputs
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(wg_col0, bn)])
 
             make_pipeline(overlapped_step if is_overlapped else step, compute_context, state)(
                 x_gmem.at[pl.ds(block * bm, bm)],
                 xs_gmem.at[:, pl.ds(block * bm, bm)],
-                w_gmem.at[expert, pl.ds(col0, tile_n)],
+                weight_tile(expert, column_tile),
                 allocations=allocations,
             )
 
         # This SM's tiles: sm, sm + num_sms, ... below the valid tiles' count.
         sm = jax.lax.axis_index("sm")
-        num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
+        if dense_pairs:
+            num_tiles = tiles_gmem[0] * (2 * n_tiles)
+        else:
+            num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
         my_tiles = jax.lax.div(jnp.maximum(num_tiles - sm, 0) + num_sms - 1, jnp.int32(num_sms))
         if not is_chained:
 
@@ -463,6 +702,69 @@ def _kernel(
             run_tile(sm + (my_tiles - 1) * num_sms, plgpu.PipelinePipeline.STOP)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_act_quant(acc, wg, rows, column_tile, outputs, scratch, activation, interpret):
+    """The gated tile's epilogue: act(gate) * up of the tile's bf16 GEMM1 outputs, quantized.
+
+    Both compute warpgroups share it. Each stores its bf16 [64, 128] half (warpgroup 0 the
+    gate, 1 the up columns) to shared memory; after `halves_ready` warpgroup w takes columns
+    [64w, 64w + 64) of both and computes, in `kernels.act_quant`'s roundings,
+
+        a = bf16(bf16(act(gate)) * up)        float32 arithmetic
+        amax_w[r] = max_c |a[r, c]|           over its 64 columns
+
+    then, after `amax_ready` (each warpgroup's row maxima in shared memory),
+
+        scale[r] = max(amax_0[r], amax_1[r], 1e-10) / 448
+        q[r, c] = e4m3(a[r, c] / scale[r])    round to nearest even, saturating
+
+    and stores its [64, 64] block of q at (`rows`, group `column_tile`) by TMA; warpgroup 0 also
+    stores the 64 scales at scales[column_tile, rows] (group-major). A warpgroup writes the next
+    tile's halves only after passing this tile's `amax_ready`, which both reach after loading
+    their columns, so one buffer serves every tile.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    q_gmem, scales_gmem = outputs
+    h_smem, row_smem, q_smem = scratch["h_smem"], scratch["row_smem"], scratch["q_smem"]
+    round_fn = round_to_dtype if interpret else (lambda value, dtype: value.astype(dtype))
+    h_smem[wg] = round_fn(acc, jnp.bfloat16)  # GEMM1's output dtype
+    both_wgs = scratch["epilogue_barrier"]
+    plgpu.barrier_arrive(both_wgs)  # this tile's halves
+    plgpu.barrier_wait(both_wgs)
+    width = h_smem.shape[2] // 2
+    columns = pl.ds(wg * width, width)
+    gate, up = h_smem[0, :, columns], h_smem[1, :, columns]
+    act_fn = None if interpret else KERNEL_ACTIVATIONS.get(activation)
+    a = gated_activation(gate, up, activation, round_fn=round_fn, act_fn=act_fn)
+    a = a.astype(jnp.float32)
+    row_smem[wg] = jnp.max(jnp.abs(a), axis=1)
+    plgpu.barrier_arrive(both_wgs)  # this tile's row maxima
+    plgpu.barrier_wait(both_wgs)
+    amax = jnp.maximum(row_smem[0], row_smem[1])
+    # interpret mode: XLA would rewrite a / broadcast(b) as a * (1 / b); Mosaic GPU divides
+    # with PTX div.rn.f32 (correctly rounded) and its e4m3 cast saturates (cvt.satfinite)
+    divide = quant.divide if interpret else (lambda num, den: num / den)
+    scale = divide(jnp.maximum(amax, quant.SCALE_EPS), jnp.float32(quant.FP8_MAX))
+    quotient = divide(a, jax.lax.broadcast_in_dim(scale, a.shape, (0,)))
+    if interpret:
+        quotient = jnp.clip(quotient, -quant.FP8_MAX, quant.FP8_MAX)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's last tile's copies
+    q_smem[wg] = quotient.astype(q_smem.dtype)
+
+    @pl.when(wg == 0)
+    def _scales():
+        row_smem[2] = scale
+
+    plgpu.commit_smem()
+    q_columns = pl.ds(column_tile * 2 * width + wg * width, width)
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], q_gmem.at[rows, q_columns])
+
+    @pl.when(wg == 0)
+    def _store_scales():
+        plgpu.copy_smem_to_gmem(row_smem.at[2], scales_gmem.at[column_tile, rows])
 
 
 def _block_product(x_smem, w_smem, interpret: bool) -> jax.Array:
@@ -591,6 +893,29 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     ):
         del expert_ends  # each row block's expert comes from expert_ids
         return self._run(x, w, expert_ids, x_scales, w_scales, alignment, out_dtype)
+
+    def contiguous_act_quant(
+        self, x, w1, expert_ids, *, x_scales, w1_scales, alignment, activation
+    ) -> tuple[jax.Array, jax.Array]:
+        """GEMM1, act(gate) * up and its FP8 quantization as one kernel
+        (`mosaic_fp8_gemm_act_quant_contiguous`): (float8_e4m3fn[M, I], float32[M, I/128]).
+        Forward only: differentiating it raises TypeError (FP8 weights are an inference
+        checkpoint, as for `moe_jax.act_quant.act_and_quant`)."""
+        from moe_jax.act_quant import without_gradient
+
+        return without_gradient(
+            lambda rows: mosaic_fp8_gemm_act_quant_contiguous(
+                rows,
+                w1,
+                expert_ids,
+                x_scales=x_scales,
+                w1_scales=w1_scales,
+                alignment=alignment,
+                activation=activation,
+                config=self.config,
+                interpret=self.interpret,
+            )
+        )(x)
 
     def masked(
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype

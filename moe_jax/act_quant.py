@@ -75,7 +75,7 @@ NO_GRADIENT_MESSAGE = (
 )
 
 
-def _without_gradient(fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]]):
+def without_gradient(fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]]):
     """`fn` as a function whose differentiation raises TypeError(NO_GRADIENT_MESSAGE)."""
 
     @jax.custom_vjp
@@ -117,7 +117,7 @@ def group_quant(
     """
     problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
     chosen = GROUP_QUANTS.select(impl, problem)
-    return _without_gradient(lambda v: chosen(v, group_size=group_size))(x)
+    return without_gradient(lambda v: chosen(v, group_size=group_size))(x)
 
 
 def act_and_quant(
@@ -155,7 +155,7 @@ def act_and_quant(
         platform=current_platform(), dtype=jnp.dtype(h.dtype).name, activation=activation
     )
     chosen = ACT_QUANTS.select(impl, problem)
-    return _without_gradient(
+    return without_gradient(
         lambda v: chosen(
             v,
             activation=activation,

@@ -167,11 +167,16 @@ class Experts(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class GemmPair:
-    """The backends of the two GEMMs and the contiguous layout's segment multiple."""
+    """The backends of the two GEMMs and the contiguous layout's segment multiple.
+
+    With `fuses_act_quant`, `gemm1` runs GEMM1, act(gate) * up and the FP8 quantization as one
+    kernel (its `contiguous_act_quant` method).
+    """
 
     gemm1: grouped_gemm.GroupedGemm
     gemm2: grouped_gemm.GroupedGemm
     alignment: int | None
+    fuses_act_quant: bool = False
 
 
 def select_gemms(
@@ -183,12 +188,15 @@ def select_gemms(
     x_dtype,
     alignment: int | None = None,
     max_m: int | None = None,
+    fused_act_quant: str | None = None,
 ) -> GemmPair:
     """The backends for GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2), through the registry.
 
     On the contiguous layout with `alignment=None`, GEMM1's backend sets the segment multiple
     (`GroupedGemm.layout_alignment`) and GEMM2 must accept it too ("auto" moves on to a backend
-    that does).
+    that does). `fused_act_quant` names a backend that then runs GEMM1 with act(gate) * up and
+    the FP8 quantization fused (`GroupedGemm` with a `contiguous_act_quant` method), on the
+    segment multiple `gemm` chose.
     """
 
     def problem(w: jax.Array, align: int | None) -> grouped_gemm.GemmProblem:
@@ -210,7 +218,21 @@ def select_gemms(
     if layout == "contiguous" and alignment is None:
         alignment = gemm1.layout_alignment(gemm1_problem)
     gemm2 = grouped_gemm.GEMMS.select(gemm, problem(weights.w2, alignment))
-    return GemmPair(gemm1=gemm1, gemm2=gemm2, alignment=alignment)
+    if fused_act_quant is None:
+        return GemmPair(gemm1=gemm1, gemm2=gemm2, alignment=alignment)
+    fused = grouped_gemm.GEMMS.select(fused_act_quant, problem(weights.w1, alignment))
+    if layout != "contiguous" or not callable(getattr(fused, "contiguous_act_quant", None)):
+        raise ValueError(
+            f"fused_act_quant={fused_act_quant!r}: the backend has no GEMM1 with a fused act + "
+            f"quantization on the {layout} layout; choose one of "
+            f"{[name for name in FUSED_ACT_QUANT_GEMMS]} (contiguous layout)"
+        )
+    return GemmPair(gemm1=fused, gemm2=gemm2, alignment=alignment, fuses_act_quant=True)
+
+
+# GEMM backends with a `contiguous_act_quant` method (GEMM1 + act(gate) * up + FP8 quantization
+# in one kernel), for `ContiguousExperts(fused_act_quant=...)`.
+FUSED_ACT_QUANT_GEMMS = ("mosaic_fp8", "mosaic_fp8_interpret")
 
 
 def intermediate_dtype(x_dtype, call: ExpertsCall):
@@ -282,6 +304,13 @@ class ContiguousExperts(Experts):
       recipe: None, or `moe_jax.fp8_training.Fp8Training()` to run both GEMMs in FP8 on float
         master weights quantized on the fly, with DeepSeek-V3's backward (H and I multiples of
         128; FP8 weights refused).
+      fused_act_quant: None (GEMM1, then the act + quantization kernel), or a backend of
+        `FUSED_ACT_QUANT_GEMMS` that runs GEMM1, act(gate) * up and the FP8 quantization as one
+        kernel (GEMM2 still from `gemm`, on the segment multiple `gemm` asks for). FP8
+        inference only (FP8 weights with their scales; no `recipe`, no gradient). H200,
+        2026-12-04, shape B: the fused kernel 428.8 us against DeepGEMM's GEMM1 + the act +
+        quantization kernel 447.5 us, but its tile table adds about 30 us of XLA ops
+        (BENCHMARKS.md), so it is opt-in.
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
@@ -302,12 +331,18 @@ class ContiguousExperts(Experts):
     wgrad: str = "auto"
     recipe: fp8_training.Fp8Training | None = None
     recompute: str = "none"
+    fused_act_quant: str | None = None
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(
                 f"ContiguousExperts(recompute={self.recompute!r}): choose from "
                 f"{sorted(RECOMPUTE_POLICIES)}"
+            )
+        if self.fused_act_quant is not None and self.recipe is not None:
+            raise ValueError(
+                f"ContiguousExperts(fused_act_quant={self.fused_act_quant!r}) runs FP8 inference "
+                "only; it cannot be combined with a training recipe"
             )
 
     def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
@@ -331,6 +366,7 @@ class ContiguousExperts(Experts):
             num_pairs=num_tokens * topk,
             x_dtype=x_dtype,
             alignment=self.alignment,
+            fused_act_quant=self.fused_act_quant,
         )
 
     def permute(
@@ -358,6 +394,32 @@ class ContiguousExperts(Experts):
             lay,
             alignment=gemms.alignment,
             out_dtype=intermediate_dtype(lay.rows.dtype, call),
+        )
+
+    def first_gemm_act_quant(
+        self, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
+    ) -> tuple[jax.Array, jax.Array]:
+        """[M, H] FP8 rows -> (float8_e4m3fn[M, I], float32[M, I/128]) in one kernel
+        (`gemms.fuses_act_quant`): GEMM1, act(gate) * up and its quantization for GEMM2."""
+        if call.quant_config is None or weights.w1_scale is None:
+            raise ValueError(
+                f"ContiguousExperts(fused_act_quant={self.fused_act_quant!r}) runs the FP8 path "
+                "only: pass FP8 weights with w1_scale/w2_scale"
+            )
+        group = quant.DEFAULT_BLOCK_SHAPE[1]
+        if call.quant_config.group_size != group:
+            raise ValueError(
+                f"fused_act_quant quantizes in groups of {group} columns, the call asks for "
+                f"{call.quant_config.group_size}"
+            )
+        return gemms.gemm1.contiguous_act_quant(
+            lay.rows,
+            weights.w1,
+            lay.expert_ids,
+            x_scales=lay.row_scales,
+            w1_scales=weights.w1_scale,
+            alignment=gemms.alignment,
+            activation=call.activation,
         )
 
     def _gemm(self, backend, x, x_scales, w, w_scales, lay, *, alignment, out_dtype):
@@ -430,10 +492,13 @@ class ContiguousExperts(Experts):
         def forward(prepared, weights, expert_map):
             lay = self.permute(prepared, weights, expert_map=expert_map, gemms=gemms)
             lay = jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_LAYOUT), lay)
-            h = checkpoint_name(
-                self.first_gemm(lay, weights, gemms=gemms, call=call), RESIDUAL_GEMM1
-            )
-            a, a_scales = self.activate(h, call, lay, gemms=gemms)
+            if gemms.fuses_act_quant:
+                a, a_scales = self.first_gemm_act_quant(lay, weights, gemms=gemms, call=call)
+            else:
+                h = checkpoint_name(
+                    self.first_gemm(lay, weights, gemms=gemms, call=call), RESIDUAL_GEMM1
+                )
+                a, a_scales = self.activate(h, call, lay, gemms=gemms)
             y = self.second_gemm(a, a_scales, lay, weights, gemms=gemms, call=call)
             y = checkpoint_name(y, RESIDUAL_GEMM2)
             return self.unpermute(y, lay, prepared, call)
@@ -689,13 +754,19 @@ class MaskedExperts(Experts):
 
 
 MASKED_SUFFIX = "_masked"
+FUSED_SEPARATOR = "+"  # "<gemm>+<fused>": ContiguousExperts(gemm=<gemm>, fused_act_quant=<fused>)
 
 
 def experts_names() -> tuple[str, ...]:
-    """Names `fused_moe(experts=...)` accepts: "auto", each GEMM backend (contiguous layout), and
-    each backend with the "_masked" suffix (masked layout)."""
+    """Names `fused_moe(experts=...)` accepts: "auto", each GEMM backend (contiguous layout),
+    each backend with the "_masked" suffix (masked layout), and "<gemm>+<fused>" for each fused
+    GEMM1 backend of `FUSED_ACT_QUANT_GEMMS` (GEMM1 with act + quantization by <fused>, the
+    layout and GEMM2 by <gemm>)."""
     gemms = grouped_gemm.GEMMS.names()
-    return ("auto", *gemms, *(name + MASKED_SUFFIX for name in gemms))
+    fused = tuple(
+        f"{gemm}{FUSED_SEPARATOR}{name}" for gemm in gemms for name in FUSED_ACT_QUANT_GEMMS
+    )
+    return ("auto", *gemms, *(name + MASKED_SUFFIX for name in gemms), *fused)
 
 
 def resolve_experts(experts: str | Experts) -> Experts:
@@ -705,7 +776,8 @@ def resolve_experts(experts: str | Experts) -> Experts:
     torch, Mosaic, then XLA on a GPU; XLA elsewhere). "xla" is the pure-XLA reference for every
     stage, the backward's weight gradient included, on every platform. Another GEMM name is the
     contiguous layout with that backend and automatic permute, activation and weight-gradient
-    implementations; "<gemm>_masked" is the masked layout with that backend.
+    implementations; "<gemm>_masked" is the masked layout with that backend; "<gemm>+<fused>"
+    the contiguous layout with GEMM1, act and quantization fused by <fused> (FP8 only).
 
     Raises:
       ValueError: an unknown name (the message lists the valid ones).
@@ -721,6 +793,9 @@ def resolve_experts(experts: str | Experts) -> Experts:
         return ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla", wgrad="xla")
     if experts in gemms:
         return ContiguousExperts(gemm=experts)
+    gemm, separator, fused = experts.partition(FUSED_SEPARATOR)
+    if separator and gemm in gemms and fused in FUSED_ACT_QUANT_GEMMS:
+        return ContiguousExperts(gemm=gemm, fused_act_quant=fused)
     base = experts.removesuffix(MASKED_SUFFIX)
     if experts.endswith(MASKED_SUFFIX) and base in gemms:
         return MaskedExperts(gemm=base, act_quant_impl="xla" if base == "xla" else "auto")

@@ -21,7 +21,8 @@ The kernels, each through its front's registry (the names a user passes):
   one on the contiguous layout, and the FP8 kernel on the masked layout, at decode size (the
   first 256 tokens: where "auto" takes it);
 - moe_jax's Mosaic GPU FP8 grouped GEMM (`GEMMS` "mosaic_fp8": TMA, warp-specialised) on
-  64-row segments at the same decode size;
+  64-row segments at the same decode size, and with act(gate) * up and the FP8 quantization in
+  its epilogue on 128-row segments;
 - JAX's Mosaic GPU kernels that moe_jax runs: `GEMMS` "mosaic" (ragged_dot, bf16) and `WGRADS`
   "mosaic" (transposed_ragged_dot).
 
@@ -32,6 +33,7 @@ elements, 2 GiB or more), and DeepEP low latency's Triton row copy (needs DeepEP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax import act_quant, grouped_gemm, grouped_gemm_backward, layouts, permute, quant
+from moe_jax.kernels import mosaic_fp8_gemm
 from moe_jax.registry import NoImplementationError
 
 
@@ -156,6 +159,25 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
 
         return run
 
+    decode_fp8_128 = run_permute("xla", xq[:d], xs[:d], num_tokens=d)  # 128-row segments
+
+    def gemm_act_quant(impl):
+        """GEMM1 + act(gate) * up + FP8 quantization in one Mosaic kernel on 128-row segments
+        (pairs of row blocks without a tile table); "xla" runs its pure-JAX reference."""
+        lay = decode_fp8_128
+        if impl == "xla":
+            fn = mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_reference
+        else:
+            fn = functools.partial(
+                mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_contiguous,
+                interpret=impl.endswith("interpret"),
+            )
+        q, scales = jax.jit(
+            lambda r, s: fn(r, w1q, lay.expert_ids, x_scales=s, w1_scales=w1s, alignment=128)
+        )(lay.rows, lay.row_scales)
+        valid = (lay.expert_ids >= 0)[:, None]  # padding rows: unspecified
+        return jnp.where(valid, q.astype(jnp.float32) * jnp.repeat(scales, 128, axis=1), 0)
+
     def masked_gemm(impl):
         problem = grouped_gemm.GemmProblem(
             layout="masked",
@@ -212,6 +234,10 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
             "mosaic_fp8",
             "mosaic_fp8_interpret",
             rtol=1e-2,
+        ),
+        # The same kernel with act(gate) * up and the FP8 quantization in its epilogue.
+        "mosaic_gemm_act_quant": Kernel(
+            gemm_act_quant, "mosaic_fp8", "mosaic_fp8_interpret", rtol=2e-2
         ),
         "mosaic_gemm_bf16": Kernel(
             contiguous_gemm(groups_bf16, w1_bf16, None, layouts.DEFAULT_ALIGNMENT),

@@ -18,12 +18,14 @@ import numpy as np
 import oracles
 import pytest
 
+import moe_jax.fp8_training
 import moe_jax.quant
 from moe_jax import grouped_gemm
 from moe_jax.experts import ContiguousExperts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.kernels import mosaic_fp8_gemm as mg
+from moe_jax.registry import NoImplementationError
 
 # Interpret mode runs on the CPU device on GPU hosts (conftest); the compiled cases (marked gpu)
 # stay on the GPU.
@@ -436,3 +438,240 @@ def test_interpret_backend_runs_anywhere_but_auto_never_picks_it():
         for pairs in (8, 256 * 32, 256 * 96, 10**7):
             names = grouped_gemm.GEMMS.preference(_gemm_problem(platform=platform, num_pairs=pairs))
             assert "mosaic_fp8_interpret" not in names
+
+
+# --- GEMM1 with act(gate) * up and the FP8 quantization fused ------------------------------------
+
+# The fused kernel takes one 128-column scale group of gate and of up per tile.
+FUSED_CONFIGS = [
+    pytest.param(mg.MosaicFp8GemmConfig(), id="two_warpgroups"),
+    pytest.param(
+        mg.MosaicFp8GemmConfig(is_overlapped=True, group_blocks=2, max_concurrent_steps=2),
+        id="overlapped_pairs",
+    ),
+    pytest.param(
+        mg.MosaicFp8GemmConfig(group_blocks=4, is_chained=True, max_concurrent_steps=2),
+        id="groups_of_4_chained",
+    ),
+]
+# One FP8 step is 2**-3 of a value's power of two, so the quantization's rounding moves a value
+# by at most 2**-4 of it; the FP8 products (2e-3, above) and a bf16 rounding the GEMM's error may
+# flip add to that, relative to the row's largest value.
+ACT_QUANT_RTOL = 2.0**-4
+ACT_QUANT_ATOL_OF_ROW_MAX = 1e-2
+
+
+def _run_act_quant(
+    lay, w, w_scales, *, config, interpret, alignment=64, fn=mg.mosaic_fp8_gemm_act_quant_contiguous
+):
+    return fn(
+        jnp.asarray(lay["rows"]),
+        jnp.asarray(w),
+        jnp.asarray(lay["expert_ids"], jnp.int32),
+        x_scales=jnp.asarray(lay["row_scales"]),
+        w1_scales=jnp.asarray(w_scales),
+        alignment=alignment,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _check_act_quant(q, s, x, w, x_scales, w_scales, lay):
+    """Dequantized q * s against a float64 loop: GEMM1 of the dequantized operands rounded to
+    bf16 (GEMM1's output), then act(gate) * up with vLLM's roundings; valid rows only."""
+    valid = np.asarray(lay["expert_ids"]) >= 0
+    assert valid.any()
+    h = oracles.grouped_gemm_contiguous(
+        oracles.dequant_per_token_group(lay["rows"], lay["row_scales"]),
+        oracles.dequant_per_block(w, w_scales),
+        lay["expert_ids"],
+    )
+    want = oracles.act_and_mul(oracles.round_to(h, jnp.bfloat16), dtype=jnp.bfloat16)[valid]
+    got = oracles.dequant_per_token_group(np.asarray(q.astype(jnp.float32)), s)[valid]
+    row_max = np.abs(want).max(axis=1, keepdims=True)
+    assert np.all(
+        np.abs(got - want) <= ACT_QUANT_RTOL * np.abs(want) + ACT_QUANT_ATOL_OF_ROW_MAX * row_max
+    )
+
+
+def _unfused(lay, w, w_scales, *, config, interpret, alignment):
+    """GEMM1 (bf16) by the same kernel, then the act + quantization kernel."""
+    from moe_jax.kernels import act_quant as act_quant_kernels
+
+    h = _run(
+        lay,
+        w,
+        w_scales,
+        config=config,
+        out_dtype=jnp.bfloat16,
+        interpret=interpret,
+        alignment=alignment,
+    )
+    return act_quant_kernels.act_and_quant(
+        h, expert_ids=jnp.asarray(lay["expert_ids"], jnp.int32), interpret=interpret
+    )
+
+
+PAIRS = mg.MosaicFp8GemmConfig(group_blocks=2, is_chained=True, max_concurrent_steps=2)
+OVERLAPPED_PAIRS = FUSED_CONFIGS[1].values[0]
+
+
+@pytest.mark.parametrize("interpret", IMPLS)
+@pytest.mark.parametrize(
+    ("config", "problem", "alignment"),
+    [pytest.param(None, p, 64, id=f"heuristic-{p}") for p in PROBLEMS]
+    + [
+        pytest.param(c.values[0], PROBLEMS[2], 64, id=f"{c.id}-{PROBLEMS[2]}")
+        for c in FUSED_CONFIGS
+    ]
+    # 128-row segments: pairs of blocks without a tile table (`dense_pairs`), a pair's second
+    # block all padding where an expert has at most 64 rows
+    + [pytest.param(PAIRS, p, 128, id=f"dense_pairs-{p}") for p in PROBLEMS]
+    + [pytest.param(OVERLAPPED_PAIRS, PROBLEMS[0], 128, id=f"dense_overlapped-{PROBLEMS[0]}")],
+)
+def test_act_quant_matches_float64_loop_and_the_unfused_kernels(
+    interpret, config, problem, alignment
+):
+    """Ids outside [0, E) and padding blocks, empty experts, several blocks per expert. In
+    interpret mode the codes and scales equal GEMM1 + `act_and_quant` bit for bit; compiled, the
+    activation's approximations (exp2, and Mosaic GPU's division against the Pallas kernel's
+    correctly rounded one) may move a code by one FP8 step and a scale by an ulp."""
+    rng = np.random.default_rng(oracles.seed("act_quant", problem.name))
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=alignment, x_scales=x_scales)
+    q, s = _run_act_quant(lay, w, w_scales, config=config, interpret=interpret, alignment=alignment)
+    inter = problem.n // 2
+    assert q.shape == (lay["rows"].shape[0], inter) and q.dtype == jnp.float8_e4m3fn
+    assert s.shape == (lay["rows"].shape[0], inter // 128) and s.dtype == jnp.float32
+    _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
+    q_ref, s_ref = _unfused(
+        lay, w, w_scales, config=config, interpret=interpret, alignment=alignment
+    )
+    valid = np.asarray(lay["expert_ids"]) >= 0
+    codes = np.asarray(q.astype(jnp.float32))[valid]
+    codes_ref = np.asarray(q_ref.astype(jnp.float32))[valid]
+    if interpret:
+        np.testing.assert_array_equal(codes, codes_ref)
+        np.testing.assert_array_equal(np.asarray(s)[valid], np.asarray(s_ref)[valid])
+        return
+    np.testing.assert_allclose(np.asarray(s)[valid], np.asarray(s_ref)[valid], rtol=2.0**-21)
+    moved = codes != codes_ref
+    assert moved.mean() <= 0.01
+    np.testing.assert_allclose(codes[moved], codes_ref[moved], rtol=0.126)  # one e4m3 step
+
+
+def test_act_quant_reference_matches_the_kernel_in_interpret_mode():
+    """The pure-JAX reference (same signature): the same values as the kernel on valid rows."""
+    problem = PROBLEMS[0]
+    rng = np.random.default_rng(oracles.seed("act_quant_reference"))
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=64, x_scales=x_scales)
+    q, s = _run_act_quant(lay, w, w_scales, config=None, interpret=True)
+    q_ref, s_ref = _run_act_quant(
+        lay, w, w_scales, config=None, interpret=True, fn=mg.mosaic_fp8_gemm_act_quant_reference
+    )
+    valid = np.asarray(lay["expert_ids"]) >= 0
+    # XLA's float32 GEMM and the kernel's per-block sums differ in the last bits: bf16 roundings
+    # of GEMM1's output may flip, so compare as the float64 loop does
+    _check_act_quant(q_ref, s_ref, x, w, x_scales, w_scales, lay)
+    assert np.mean(np.asarray(s)[valid] == np.asarray(s_ref)[valid]) > 0.5
+    assert np.asarray(q).shape == np.asarray(q_ref).shape
+
+
+def _act_quant_call(**changes):
+    args = dict(
+        x=jnp.zeros((64, 128), jnp.float8_e4m3fn),
+        w1=jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
+        expert_ids=jnp.zeros((64,), jnp.int32),
+        x_scales=jnp.ones((64, 1)),
+        w1_scales=jnp.ones((2, 2, 1)),
+        alignment=64,
+        interpret=True,
+    )
+    args.update(changes)
+    return mg.mosaic_fp8_gemm_act_quant_contiguous(**args)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        (dict(activation="relu"), ValueError, "relu"),
+        (dict(activation="gelu", interpret=False), NotImplementedError, "no compiled fused"),
+        (dict(config=mg.MosaicFp8GemmConfig(block_n=64)), ValueError, "block_n=128"),
+        (dict(alignment=32), ValueError, "alignment=32"),
+        (dict(x=jnp.zeros((64, 128), jnp.bfloat16)), TypeError, "float8_e4m3fn"),
+    ],
+)
+def test_act_quant_refuses_with_a_reason(changes, error, match):
+    with pytest.raises(error, match=match):
+        _act_quant_call(**changes)
+
+
+def test_act_quant_no_rows_and_no_gradient():
+    q, s = _act_quant_call(
+        x=jnp.zeros((0, 128), jnp.float8_e4m3fn),
+        expert_ids=jnp.zeros((0,), jnp.int32),
+        x_scales=jnp.zeros((0, 1)),
+    )
+    assert q.shape == (0, 128) and s.shape == (0, 1)
+    backend = grouped_gemm.GEMMS.get("mosaic_fp8_interpret")
+
+    def loss(rows):
+        q, s = backend.contiguous_act_quant(
+            rows,
+            jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
+            jnp.zeros((64,), jnp.int32),
+            x_scales=jnp.ones((64, 1)),
+            w1_scales=jnp.ones((2, 2, 1)),
+            alignment=64,
+            activation="silu",
+        )
+        return jnp.sum(s)
+
+    with pytest.raises(TypeError, match="no gradient"):
+        jax.grad(loss)(jnp.zeros((64, 128), jnp.float32).astype(jnp.float8_e4m3fn))
+
+
+@pytest.mark.parametrize(
+    "gemm", ["mosaic_fp8_interpret", pytest.param("deep_gemm", marks=pytest.mark.gpu)]
+)
+def test_fused_moe_with_the_fused_first_gemm(gemm):
+    """The layer with GEMM1 + act + quantization fused (`ContiguousExperts(fused_act_quant=)`,
+    also by name "<gemm>+<fused>"), against the same layer unfused: bit for bit in interpret
+    mode, within one FP8 step of the requantization compiled (DeepGEMM's GEMM2 on the GPU)."""
+    fused = "mosaic_fp8_interpret" if gemm.endswith("interpret") else "mosaic_fp8"
+    rng = np.random.default_rng(oracles.seed("fused_first_gemm", gemm))
+    num_experts, hidden, inter, topk, num_tokens = 4, 256, 256, 2, 70
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, num_experts + 1, (num_tokens, topk)), jnp.int32)
+    ids = ids.at[0].set(2)  # an expert twice in one row
+    weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
+    w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
+    w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
+    scales = dict(w1_scale=s1, w2_scale=s2)
+    got = fused_moe(x, w1, w2, weights, ids, experts=f"{gemm}+{fused}", **scales)
+    want = fused_moe(x, w1, w2, weights, ids, experts=ContiguousExperts(gemm=gemm), **scales)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if gemm.endswith("interpret"):
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def test_fused_first_gemm_refusals():
+    with pytest.raises(ValueError, match="training recipe"):
+        ContiguousExperts(fused_act_quant="mosaic_fp8", recipe=moe_jax.fp8_training.Fp8Training())
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((2, 256, 256)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((2, 256, 128)), jnp.bfloat16)
+    ids = jnp.zeros((8, 1), jnp.int32)
+    weights = jnp.ones((8, 1), jnp.float32)
+    experts = ContiguousExperts(gemm="xla", fused_act_quant="xla")
+    with pytest.raises(ValueError, match="no GEMM1 with a fused act"):
+        fused_moe(x, w1, w2, weights, ids, experts=experts)
+    experts = ContiguousExperts(gemm="xla", fused_act_quant="mosaic_fp8_interpret")
+    with pytest.raises(NoImplementationError, match="FP8 operands only"):
+        fused_moe(x, w1, w2, weights, ids, experts=experts)

@@ -352,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--experts",
         default="auto",
-        help="`fused_moe(experts=...)`: auto, a GEMM backend (contiguous layout), or <gemm>_masked",
+        help=(
+            "`fused_moe(experts=...)`: auto, a GEMM backend (contiguous layout), <gemm>_masked, "
+            "or <gemm>+<fused> (GEMM1 fused with act + quantization)"
+        ),
     )
     parser.add_argument("--top-kernels", type=int, default=12, help="kernels listed by time")
     parser.add_argument(
