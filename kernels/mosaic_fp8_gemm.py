@@ -262,9 +262,8 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     Args:
       x: float8_e4m3fn [M, H], rows sorted by expert in segments padded to `alignment` rows,
         one after another from row 0 and the unused rows after them (the contiguous layout).
-        With `alignment` a multiple of 128 the kernel takes an expert's row blocks in pairs
-        without a tile table (`_kernel`'s `dense_pairs`; the heuristic's grouped configs become
-        pairs): about 30 us of XLA ops fewer at shape B on the H200.
+        With `alignment` a multiple of 128 the kernel orders its tiles without a tile table
+        (`_kernel`'s `is_dense`): about 30 us of XLA ops fewer at shape B on the H200.
       w1: float8_e4m3fn [E, 2I, H]: gate rows, then up rows; I a multiple of 128.
       expert_ids: int32[M] expert of each row, -1 on padding rows (ids outside [0, E) too).
       x_scales: float32[M, H/128] row-group scales.
@@ -287,12 +286,9 @@ def mosaic_fp8_gemm_act_quant_contiguous(
             f"activation {activation!r} has no compiled fused epilogue; use one of "
             f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
         )
-    dense_pairs = alignment % (2 * BLOCK_M) == 0
+    is_dense = alignment % (2 * BLOCK_M) == 0  # no tile table (`_kernel`)
     if config is None:
         config = heuristic_config(num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1])
-        if dense_pairs and config.group_blocks > 1:  # pairs need no tile table (`_kernel`)
-            config = dataclasses.replace(config, group_blocks=2)
-    dense_pairs = dense_pairs and config.group_blocks == 2
     _check_operands(x, w1, expert_ids, x_scales, w1_scales, alignment, config, jnp.bfloat16)
     if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
         raise ValueError(
@@ -307,7 +303,7 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     num_groups = inter // SCALE_BLOCK
     if num_rows == 0:
         return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
-    padded_rows = _padded_rows(num_rows, dense_pairs)
+    padded_rows = _padded_rows(num_rows, config, is_dense)
     q, scales_t = _launch(
         x,
         w1.reshape(2 * num_experts, inter, k),  # gate and up halves: one TMA box takes both
@@ -325,7 +321,7 @@ def mosaic_fp8_gemm_act_quant_contiguous(
         num_sms=num_sms,
         interpret=interpret,
         activation=activation,
-        dense_pairs=dense_pairs,
+        is_dense=is_dense,
     )
     return q[:num_rows], scales_t[:, :num_rows].T
 
@@ -363,9 +359,10 @@ def mosaic_fp8_gemm_act_quant_reference(
     return act_and_quant_reference(h, activation=activation)
 
 
-def _padded_rows(num_rows: int, dense_pairs: bool) -> int:
-    """Rows after padding to whole 64-row blocks (whole 128-row pairs with `dense_pairs`)."""
-    multiple = 2 * BLOCK_M if dense_pairs else BLOCK_M
+def _padded_rows(num_rows: int, config: MosaicFp8GemmConfig, is_dense: bool) -> int:
+    """Rows after padding to whole 64-row blocks (with `is_dense`, to whole groups of
+    `config.group_blocks` blocks and whole 128-row pairs)."""
+    multiple = BLOCK_M * (max(2, config.group_blocks) if is_dense else 1)
     return -(-num_rows // multiple) * multiple
 
 
@@ -384,22 +381,24 @@ def _launch(
     num_sms,
     interpret,
     activation,
-    dense_pairs=False,
+    is_dense=False,
 ):
-    """Pads the rows to whole 64-row blocks, builds the tile table (with `dense_pairs`, counts
-    the valid 128-row pairs instead) and runs `_kernel`."""
+    """Pads the rows to whole 64-row blocks, builds the tile table (with `is_dense`, counts the
+    row blocks to visit instead) and runs `_kernel`."""
     num_rows, k = x.shape
     num_experts = w_scales.shape[0]
-    padded_rows = _padded_rows(num_rows, dense_pairs)
+    padded_rows = _padded_rows(num_rows, config, is_dense)
     if padded_rows != num_rows:
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
     block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
-    if dense_pairs:
+    if is_dense:
         pair_experts = block_experts[::2]
         is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
-        tiles = jnp.sum(is_valid, dtype=jnp.int32).reshape(1)
+        group = config.group_blocks
+        blocks = (2 * jnp.sum(is_valid, dtype=jnp.int32) + group - 1) // group * group
+        tiles = blocks.reshape(1)
     else:
         tiles = _tile_table(block_experts, num_experts, n_tiles, config.group_blocks)
     if num_sms is None:
@@ -417,7 +416,7 @@ def _launch(
             config=config,
             interpret=interpret,
             activation=activation,
-            dense_pairs=dense_pairs,
+            is_dense=is_dense,
         ),
         out_type=out_types,
         grid=(num_sms,),
@@ -510,21 +509,23 @@ def _kernel(
     config: MosaicFp8GemmConfig,
     interpret: bool,
     activation: str | None = None,
-    dense_pairs: bool = False,
+    is_dense: bool = False,
 ):
     """One persistent program: this SM's tiles of the valid row blocks (module docstring).
 
-    With `dense_pairs`, tiles_gmem is int32[1], the number of valid 128-row pairs of blocks (a
-    contiguous layout of 128-row segments: the valid pairs come first, and each pair's first
-    block is its expert's), and tile t is column tile (t mod 2 n_tiles) // 2 of block
-    2 (t // 2 n_tiles) + t mod 2, with the pair's expert: the order `_tile_table` gives groups of
-    2 without building it. A pair's second block may be all padding; it is computed anyway.
+    With `is_dense` (a contiguous layout of 128-row segments: the valid 128-row pairs of blocks
+    come first, and each pair's first block is its expert's), tiles_gmem is int32[1], the
+    number of row blocks to visit (the valid pairs' blocks rounded up to whole groups of
+    G = `group_blocks`), and tile t is column tile (t mod G n_tiles) // G of block
+    G (t // G n_tiles) + t mod G, with its pair's expert: `_tile_table`'s order without
+    building the table. A group may then span two experts and a pair's second block may be all
+    padding (computed anyway, as are a last group's blocks past the valid pairs, with expert 0:
+    padding rows are unspecified).
 
     With `activation`, w_gmem is GEMM1's weight seen as [2E, I, K] (expert e's gate rows at 2e,
-    its up rows at 2e + 1)
-    and each tile is 128 gate and the same 128 up columns: compute warpgroup 0 takes the gate,
-    1 the up columns, and the tile's epilogue (`_store_act_quant`) writes act(gate) * up
-    quantized to FP8 instead of the two bf16 halves."""
+    its up rows at 2e + 1) and each tile is 128 gate and the same 128 up columns: compute
+    warpgroup 0 takes the gate, 1 the up columns, and the tile's epilogue (`_store_act_quant`)
+    writes act(gate) * up quantized to FP8 instead of the two bf16 halves."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -597,11 +598,13 @@ def _kernel(
 
         def run_tile(tile, state=None):
             """The K pipeline of one output tile (entry `tile` of `_tile_table`)."""
-            if dense_pairs:
-                pair, in_pair = jax.lax.div(tile, 2 * n_tiles), jax.lax.rem(tile, 2 * n_tiles)
-                block = 2 * pair + jax.lax.rem(in_pair, 2)
-                column_tile = jax.lax.div(in_pair, 2)
-                expert = block_experts_gmem[2 * pair]
+            if is_dense:
+                group = config.group_blocks
+                first = jax.lax.div(tile, group * n_tiles) * group
+                in_group = jax.lax.rem(tile, group * n_tiles)
+                block = first + jax.lax.rem(in_group, group)
+                column_tile = jax.lax.div(in_group, group)
+                expert = jnp.maximum(block_experts_gmem[jax.lax.div(block, 2) * 2], 0)
             else:
                 code = tiles_gmem[tile]
                 block = jax.lax.div(code, jnp.int32(n_tiles))
@@ -674,8 +677,8 @@ def _kernel(
 
         # This SM's tiles: sm, sm + num_sms, ... below the valid tiles' count.
         sm = jax.lax.axis_index("sm")
-        if dense_pairs:
-            num_tiles = tiles_gmem[0] * (2 * n_tiles)
+        if is_dense:
+            num_tiles = tiles_gmem[0] * n_tiles
         else:
             num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
         my_tiles = jax.lax.div(jnp.maximum(num_tiles - sm, 0) + num_sms - 1, jnp.int32(num_sms))

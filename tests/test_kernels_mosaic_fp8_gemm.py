@@ -524,10 +524,16 @@ OVERLAPPED_PAIRS = FUSED_CONFIGS[1].values[0]
         pytest.param(c.values[0], PROBLEMS[2], 64, id=f"{c.id}-{PROBLEMS[2]}")
         for c in FUSED_CONFIGS
     ]
-    # 128-row segments: pairs of blocks without a tile table (`dense_pairs`), a pair's second
-    # block all padding where an expert has at most 64 rows
+    # 128-row segments: tiles ordered without a tile table (`is_dense`), a pair's second block
+    # all padding where an expert has at most 64 rows, groups of 4 spanning two experts
     + [pytest.param(PAIRS, p, 128, id=f"dense_pairs-{p}") for p in PROBLEMS]
-    + [pytest.param(OVERLAPPED_PAIRS, PROBLEMS[0], 128, id=f"dense_overlapped-{PROBLEMS[0]}")],
+    + [
+        pytest.param(OVERLAPPED_PAIRS, PROBLEMS[0], 128, id=f"dense_overlapped-{PROBLEMS[0]}"),
+        pytest.param(
+            FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, id=f"dense_groups_of_4-{PROBLEMS[2]}"
+        ),
+        pytest.param(None, PROBLEMS[1], 128, id=f"dense_heuristic-{PROBLEMS[1]}"),
+    ],
 )
 def test_act_quant_matches_float64_loop_and_the_unfused_kernels(
     interpret, config, problem, alignment
@@ -675,3 +681,21 @@ def test_fused_first_gemm_refusals():
     experts = ContiguousExperts(gemm="xla", fused_act_quant="mosaic_fp8_interpret")
     with pytest.raises(NoImplementationError, match="FP8 operands only"):
         fused_moe(x, w1, w2, weights, ids, experts=experts)
+
+
+def test_act_quant_on_128_row_segments_builds_no_tile_table(monkeypatch):
+    """On 128-row segments the tiles are ordered in the kernel (`is_dense`); on 64-row segments
+    the XLA tile table is still built."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("_tile_table called")
+
+    monkeypatch.setattr(mg, "_tile_table", refuse)
+    problem = PROBLEMS[0]
+    rng = np.random.default_rng(oracles.seed("no_tile_table"))
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=128, x_scales=x_scales)
+    q, s = _run_act_quant(lay, w, w_scales, config=PAIRS, interpret=True, alignment=128)
+    _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
+    with pytest.raises(AssertionError, match="_tile_table called"):
+        _run_act_quant(lay, w, w_scales, config=PAIRS, interpret=True, alignment=64)
