@@ -262,8 +262,9 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     Args:
       x: float8_e4m3fn [M, H], rows sorted by expert in segments padded to `alignment` rows,
         one after another from row 0 and the unused rows after them (the contiguous layout).
-        With `alignment` a multiple of 128 the kernel orders its tiles without a tile table
-        (`_kernel`'s `is_dense`): about 30 us of XLA ops fewer at shape B on the H200.
+        With `alignment` a multiple of 128 the kernel orders its tiles itself (`_kernel`'s
+        `is_dense`; the heuristic's groups of 4 become pairs): about 30 us of XLA ops fewer at
+        shape B on the H200. Other configs with groups of 4 build the XLA tile table.
       w1: float8_e4m3fn [E, 2I, H]: gate rows, then up rows; I a multiple of 128.
       expert_ids: int32[M] expert of each row, -1 on padding rows (ids outside [0, E) too).
       x_scales: float32[M, H/128] row-group scales.
@@ -286,9 +287,15 @@ def mosaic_fp8_gemm_act_quant_contiguous(
             f"activation {activation!r} has no compiled fused epilogue; use one of "
             f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
         )
-    is_dense = alignment % (2 * BLOCK_M) == 0  # no tile table (`_kernel`)
+    is_segment_of_pairs = alignment % (2 * BLOCK_M) == 0
     if config is None:
         config = heuristic_config(num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1])
+        if is_segment_of_pairs and config.group_blocks > 2:
+            # H200, 2026-12-04, shape B: ordered in the kernel, groups of 4 that may span two
+            # experts took 451.6 us and padding the rows to 256 copied x; pairs 444.5 us
+            config = dataclasses.replace(config, group_blocks=2)
+    # no tile table (`_kernel`'s `is_dense`) for pairs or single blocks on 128-row segments
+    is_dense = is_segment_of_pairs and config.group_blocks <= 2
     _check_operands(x, w1, expert_ids, x_scales, w1_scales, alignment, config, jnp.bfloat16)
     if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
         raise ValueError(

@@ -524,13 +524,13 @@ OVERLAPPED_PAIRS = FUSED_CONFIGS[1].values[0]
         pytest.param(c.values[0], PROBLEMS[2], 64, id=f"{c.id}-{PROBLEMS[2]}")
         for c in FUSED_CONFIGS
     ]
-    # 128-row segments: tiles ordered without a tile table (`is_dense`), a pair's second block
-    # all padding where an expert has at most 64 rows, groups of 4 spanning two experts
+    # 128-row segments: pairs ordered without a tile table (`is_dense`), a pair's second block
+    # all padding where an expert has at most 64 rows; groups of 4 still take the table
     + [pytest.param(PAIRS, p, 128, id=f"dense_pairs-{p}") for p in PROBLEMS]
     + [
         pytest.param(OVERLAPPED_PAIRS, PROBLEMS[0], 128, id=f"dense_overlapped-{PROBLEMS[0]}"),
         pytest.param(
-            FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, id=f"dense_groups_of_4-{PROBLEMS[2]}"
+            FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, id=f"table_groups_of_4-{PROBLEMS[2]}"
         ),
         pytest.param(None, PROBLEMS[1], 128, id=f"dense_heuristic-{PROBLEMS[1]}"),
     ],
