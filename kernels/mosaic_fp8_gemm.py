@@ -39,6 +39,10 @@ this one is built the way DeepGEMM's is, with Pallas' Mosaic GPU backend (Hopper
   long; BENCHMARKS.md, 2026-12-03 13:42-16:42 UTC): this targets that chain, and takes 1-6%
   off each GEMM at T=1024-4096 (DeepSeek-V3 experts; `heuristic_config`'s evidence).
 
+`mosaic_fp8_gemm_act_quant_contiguous` is GEMM1 with vLLM's act(gate) * up and the FP8
+requantization for GEMM2 in the epilogue: a tile is 128 gate and the same 128 up columns (one
+per compute warpgroup), and only FP8 codes and their scales leave the chip (`_store_act_quant`).
+
 Interpret mode (`interpret=True`, CPU tests) runs all of this on Mosaic GPU's interpreter except
 the wgmma itself, which its interpreter cannot take from a transposed shared-memory view: the same
 FP8 products come from `dot_general` with an exact float32 sum (`_block_product`).
@@ -126,14 +130,18 @@ class MosaicFp8GemmConfig:
         """Output columns per tile."""
         return self.num_compute_wgs * self.block_n
 
-    def smem_bytes(self, out_dtype: jnp.dtype, k: int) -> int:
+    def smem_bytes(self, out_dtype: jnp.dtype, k: int, *, is_gated: bool = False) -> int:
         """Shared memory one program asks for at K = `k`: the pipeline's slots (x, its scales
-        and the weight tile per K block) and every compute warpgroup's output staging."""
+        and the weight tile per K block) and every compute warpgroup's output staging (with
+        `is_gated`, the fused act + quantization epilogue's: the tile's bf16 gate and up, three
+        rows of float32 and the FP8 codes)."""
         blocks = self.k_blocks_per_step(k)
         slot = blocks * (BLOCK_M * BLOCK_K + 4 * BLOCK_M + self.tile_n * BLOCK_K)
-        return (
-            self.max_concurrent_steps * slot + BLOCK_M * self.tile_n * jnp.dtype(out_dtype).itemsize
-        )
+        if is_gated:
+            staging = BLOCK_M * self.tile_n * 2 + 3 * BLOCK_M * 4 + BLOCK_M * self.tile_n // 2
+        else:
+            staging = BLOCK_M * self.tile_n * jnp.dtype(out_dtype).itemsize
+        return self.max_concurrent_steps * slot + staging
 
 
 # Evidence for `heuristic_config` (H200, 2026-12-03, BENCHMARKS.md "Mosaic GPU FP8 grouped GEMM",
@@ -296,7 +304,9 @@ def mosaic_fp8_gemm_act_quant_contiguous(
             config = dataclasses.replace(config, group_blocks=2)
     # no tile table (`_kernel`'s `is_dense`) for pairs or single blocks on 128-row segments
     is_dense = is_segment_of_pairs and config.group_blocks <= 2
-    _check_operands(x, w1, expert_ids, x_scales, w1_scales, alignment, config, jnp.bfloat16)
+    _check_operands(
+        x, w1, expert_ids, x_scales, w1_scales, alignment, config, jnp.bfloat16, is_gated=True
+    )
     if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
         raise ValueError(
             f"{config}: the fused epilogue needs block_n={SCALE_BLOCK} and num_compute_wgs=2 "
@@ -796,7 +806,9 @@ def _block_product(x_smem, w_smem, interpret: bool) -> jax.Array:
     return pl.run_scoped(product, plgpu.ACC((x_smem.shape[0], w_smem.shape[0]), jnp.float32))
 
 
-def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype):
+def _check_operands(
+    x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype, is_gated=False
+):
     """The Pallas kernel's checks (`grouped_gemm.check_operands`), then FP8 only, N a multiple
     of the tile, 64-row segments and the config's shared memory within a Hopper program's."""
     if not gemm_kernels.check_operands(x, w, expert_ids, x_scales, w_scales, alignment):
@@ -812,7 +824,7 @@ def _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out
             f"{alignment=} but a multiple of {BLOCK_M} rows is needed: a row block would span "
             "experts"
         )
-    smem = config.smem_bytes(out_dtype, x.shape[1])
+    smem = config.smem_bytes(out_dtype, x.shape[1], is_gated=is_gated)
     if smem > SMEM_LIMIT:
         raise ValueError(
             f"{config} with {jnp.dtype(out_dtype).name} output asks for {smem} bytes of shared "

@@ -698,3 +698,14 @@ def test_act_quant_on_128_row_segments_builds_no_tile_table(monkeypatch):
     _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
     with pytest.raises(AssertionError, match="_tile_table called"):
         _run_act_quant(lay, w, w_scales, config=PAIRS, interpret=True, alignment=64)
+
+
+def test_act_quant_counts_its_epilogue_in_the_shared_memory_check():
+    """The fused epilogue stages the bf16 gate and up (32 KiB), three float32 rows (row maxima
+    of each warpgroup, scales) and the FP8 codes (8 KiB) where the plain kernel stages its bf16
+    tile (32 KiB); a config over a program's shared memory is refused before it is built."""
+    config = mg.MosaicFp8GemmConfig(max_concurrent_steps=2, is_overlapped=True)
+    plain = config.smem_bytes(jnp.bfloat16, 256)
+    assert config.smem_bytes(jnp.bfloat16, 256, is_gated=True) == plain + 3 * 64 * 4 + 64 * 128
+    with pytest.raises(ValueError, match="lower max_concurrent_steps"):
+        _act_quant_call(config=mg.MosaicFp8GemmConfig(max_concurrent_steps=6))
