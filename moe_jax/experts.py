@@ -307,10 +307,10 @@ class ContiguousExperts(Experts):
       fused_act_quant: None (GEMM1, then the act + quantization kernel), or a backend of
         `FUSED_ACT_QUANT_GEMMS` that runs GEMM1, act(gate) * up and the FP8 quantization as one
         kernel (GEMM2 still from `gemm`, on the segment multiple `gemm` asks for). FP8
-        inference only (FP8 weights with their scales; no `recipe`, no gradient). H200,
-        2026-12-04, shape B: the fused kernel 428.8 us against DeepGEMM's GEMM1 + the act +
-        quantization kernel 447.5 us, but its tile table adds about 30 us of XLA ops
-        (BENCHMARKS.md), so it is opt-in.
+        inference only (FP8 weights with their scales; no `recipe`, no gradient). Opt-in: on
+        the H200 (2026-12-04, BENCHMARKS.md "Prefill") beside DeepGEMM's GEMM2 it takes 13-16
+        us off shape B's device span per forward (858-868 us against 873-880) but adds 155-195
+        us at shape A, where the Mosaic GEMM1 is slower than DeepGEMM's.
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:

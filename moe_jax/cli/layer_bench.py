@@ -16,6 +16,9 @@ Variants (each runs where it can; the table says why one did not):
                         (`DeepGemmConfig(command_buffer_compatible=True)`; GPU; runs only when
                         named in --variants, best with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
                         set before the process starts)
+  moe_jax_fp8_fused_act FP8 with GEMM1, act(gate) * up and the quantization in one Mosaic GPU
+                        kernel (`ContiguousExperts(fused_act_quant="mosaic_fp8")`, 128-row
+                        segments; Hopper; runs only when named in --variants)
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ VARIANTS = (
     "moe_jax_bf16",
     "moe_jax_fp8",
     "moe_jax_fp8_graph",
+    "moe_jax_fp8_fused_act",
 )
-OPT_IN_VARIANTS = ("moe_jax_fp8_graph",)  # run only when named (--variants)
+OPT_IN_VARIANTS = ("moe_jax_fp8_graph", "moe_jax_fp8_fused_act")  # run only when named
 BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
 
 
@@ -174,12 +178,16 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         return jax.jit(_sort_pipeline(_mosaic_ragged)), bf16_args
     if name == "moe_jax_bf16":
         return jax.jit(lambda *a: fused_moe(*a, experts="auto")), bf16_args
-    if name in ("moe_jax_fp8", "moe_jax_fp8_graph"):
+    if name in ("moe_jax_fp8", "moe_jax_fp8_graph", "moe_jax_fp8_fused_act"):
         experts = "auto"
         if name == "moe_jax_fp8_graph":
             experts = _graph_experts(layer)
             if isinstance(experts, str):
                 return experts
+        if name == "moe_jax_fp8_fused_act":
+            if jax.default_backend() != "gpu":
+                return "needs an NVIDIA GPU"
+            experts = ContiguousExperts(alignment=128, fused_act_quant="mosaic_fp8")
         fp8_args = (
             layer.x,
             layer.w1q,
