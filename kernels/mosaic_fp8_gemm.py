@@ -224,7 +224,7 @@ def mosaic_fp8_gemm_contiguous(
     num_rows, n = x.shape[0], w.shape[1]
     if num_rows == 0:
         return jnp.zeros((0, n), out_dtype)
-    padded_rows = -(-num_rows // BLOCK_M) * BLOCK_M
+    padded_rows = _padded_rows(num_rows, is_dense=False)
     (y,) = _launch(
         x,
         w,
@@ -314,13 +314,11 @@ def mosaic_fp8_gemm_act_quant_contiguous(
         )
     num_rows = x.shape[0]
     num_experts, two_i, k = w1.shape
-    inter = two_i // 2
-    if inter % SCALE_BLOCK:
-        raise ValueError(f"w1.shape={w1.shape}: I={inter} is not a multiple of {SCALE_BLOCK}")
+    inter = two_i // 2  # a multiple of 128: 2I is a multiple of the 256-column tile (checked)
     num_groups = inter // SCALE_BLOCK
     if num_rows == 0:
         return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
-    padded_rows = _padded_rows(num_rows, config, is_dense)
+    padded_rows = _padded_rows(num_rows, is_dense=is_dense)
     q, scales_t = _launch(
         x,
         w1.reshape(2 * num_experts, inter, k),  # gate and up halves: one TMA box takes both
@@ -376,10 +374,9 @@ def mosaic_fp8_gemm_act_quant_reference(
     return act_and_quant_reference(h, activation=activation)
 
 
-def _padded_rows(num_rows: int, config: MosaicFp8GemmConfig, is_dense: bool) -> int:
-    """Rows after padding to whole 64-row blocks (with `is_dense`, to whole groups of
-    `config.group_blocks` blocks and whole 128-row pairs)."""
-    multiple = BLOCK_M * (max(2, config.group_blocks) if is_dense else 1)
+def _padded_rows(num_rows: int, *, is_dense: bool) -> int:
+    """Rows after padding to whole 64-row blocks (with `is_dense`, whole 128-row pairs)."""
+    multiple = 2 * BLOCK_M if is_dense else BLOCK_M
     return -(-num_rows // multiple) * multiple
 
 
@@ -400,22 +397,22 @@ def _launch(
     activation,
     is_dense=False,
 ):
-    """Pads the rows to whole 64-row blocks, builds the tile table (with `is_dense`, counts the
-    row blocks to visit instead) and runs `_kernel`."""
+    """Pads the rows to whole 64-row blocks, builds the tile table (with `is_dense`, for groups
+    of at most 2 blocks, counts the row blocks of the valid pairs instead) and runs `_kernel`."""
     num_rows, k = x.shape
     num_experts = w_scales.shape[0]
-    padded_rows = _padded_rows(num_rows, config, is_dense)
+    padded_rows = _padded_rows(num_rows, is_dense=is_dense)
     if padded_rows != num_rows:
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
     block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
     if is_dense:
+        if config.group_blocks > 2:
+            raise ValueError(f"{config}: the in-kernel tile order takes groups of 1 or 2 blocks")
         pair_experts = block_experts[::2]
         is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
-        group = config.group_blocks
-        blocks = (2 * jnp.sum(is_valid, dtype=jnp.int32) + group - 1) // group * group
-        tiles = blocks.reshape(1)
+        tiles = (2 * jnp.sum(is_valid, dtype=jnp.int32)).reshape(1)
     else:
         tiles = _tile_table(block_experts, num_experts, n_tiles, config.group_blocks)
     if num_sms is None:
@@ -531,13 +528,11 @@ def _kernel(
     """One persistent program: this SM's tiles of the valid row blocks (module docstring).
 
     With `is_dense` (a contiguous layout of 128-row segments: the valid 128-row pairs of blocks
-    come first, and each pair's first block is its expert's), tiles_gmem is int32[1], the
-    number of row blocks to visit (the valid pairs' blocks rounded up to whole groups of
-    G = `group_blocks`), and tile t is column tile (t mod G n_tiles) // G of block
-    G (t // G n_tiles) + t mod G, with its pair's expert: `_tile_table`'s order without
-    building the table. A group may then span two experts and a pair's second block may be all
-    padding (computed anyway, as are a last group's blocks past the valid pairs, with expert 0:
-    padding rows are unspecified).
+    come first, and each pair's first block is its expert's; groups of G = `group_blocks` <= 2
+    blocks), tiles_gmem is int32[1], the number of row blocks in the valid pairs, and tile t is
+    column tile (t mod G n_tiles) // G of block G (t // G n_tiles) + t mod G, with its pair's
+    expert: `_tile_table`'s order without building the table. A pair's second block may be all
+    padding; it is computed anyway (padding rows are unspecified).
 
     With `activation`, w_gmem is GEMM1's weight seen as [2E, I, K] (expert e's gate rows at 2e,
     its up rows at 2e + 1) and each tile is 128 gate and the same 128 up columns: compute
@@ -621,7 +616,7 @@ def _kernel(
                 in_group = jax.lax.rem(tile, group * n_tiles)
                 block = first + jax.lax.rem(in_group, group)
                 column_tile = jax.lax.div(in_group, group)
-                expert = jnp.maximum(block_experts_gmem[jax.lax.div(block, 2) * 2], 0)
+                expert = block_experts_gmem[jax.lax.div(block, 2) * 2]
             else:
                 code = tiles_gmem[tile]
                 block = jax.lax.div(code, jnp.int32(n_tiles))
@@ -728,21 +723,22 @@ def _store_act_quant(acc, wg, rows, column_tile, outputs, scratch, activation, i
     """The gated tile's epilogue: act(gate) * up of the tile's bf16 GEMM1 outputs, quantized.
 
     Both compute warpgroups share it. Each stores its bf16 [64, 128] half (warpgroup 0 the
-    gate, 1 the up columns) to shared memory; after `halves_ready` warpgroup w takes columns
-    [64w, 64w + 64) of both and computes, in `kernels.act_quant`'s roundings,
+    gate, 1 the up columns) to shared memory; once both have (the epilogue barrier's first
+    completion of the tile) warpgroup w takes columns [64w, 64w + 64) of both and computes, in
+    `kernels.act_quant`'s roundings,
 
         a = bf16(bf16(act(gate)) * up)        float32 arithmetic
         amax_w[r] = max_c |a[r, c]|           over its 64 columns
 
-    then, after `amax_ready` (each warpgroup's row maxima in shared memory),
+    then, once both row maxima are in shared memory (the barrier's second completion),
 
         scale[r] = max(amax_0[r], amax_1[r], 1e-10) / 448
         q[r, c] = e4m3(a[r, c] / scale[r])    round to nearest even, saturating
 
     and stores its [64, 64] block of q at (`rows`, group `column_tile`) by TMA; warpgroup 0 also
     stores the 64 scales at scales[column_tile, rows] (group-major). A warpgroup writes the next
-    tile's halves only after passing this tile's `amax_ready`, which both reach after loading
-    their columns, so one buffer serves every tile.
+    tile's halves only after passing this tile's second completion, which both reach after
+    loading their columns, so one buffer serves every tile.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -764,8 +760,10 @@ def _store_act_quant(acc, wg, rows, column_tile, outputs, scratch, activation, i
     plgpu.barrier_arrive(both_wgs)  # this tile's row maxima
     plgpu.barrier_wait(both_wgs)
     amax = jnp.maximum(row_smem[0], row_smem[1])
-    # interpret mode: XLA would rewrite a / broadcast(b) as a * (1 / b); Mosaic GPU divides
-    # with PTX div.rn.f32 (correctly rounded) and its e4m3 cast saturates (cvt.satfinite)
+    # interpret mode: XLA would rewrite a / broadcast(b) as a * (1 / b), which `quant.divide`
+    # prevents. Compiled, Mosaic GPU's float32 division is not correctly rounded (its scales sit
+    # an ulp from the Pallas kernel's in about half the rows on the H200) and its e4m3 cast
+    # saturates (cvt.satfinite), so the clip is interpret mode's only.
     divide = quant.divide if interpret else (lambda num, den: num / den)
     scale = divide(jnp.maximum(amax, quant.SCALE_EPS), jnp.float32(quant.FP8_MAX))
     quotient = divide(a, jax.lax.broadcast_in_dim(scale, a.shape, (0,)))

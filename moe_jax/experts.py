@@ -225,7 +225,7 @@ def select_gemms(
         raise ValueError(
             f"fused_act_quant={fused_act_quant!r}: the backend has no GEMM1 with a fused act + "
             f"quantization on the {layout} layout; choose one of "
-            f"{[name for name in FUSED_ACT_QUANT_GEMMS]} (contiguous layout)"
+            f"{list(FUSED_ACT_QUANT_GEMMS)} (contiguous layout)"
         )
     return GemmPair(gemm1=fused, gemm2=gemm2, alignment=alignment, fuses_act_quant=True)
 

@@ -255,18 +255,21 @@ def test_no_rows():
     assert y.shape == (0, 256) and y.dtype == jnp.bfloat16
 
 
-def _call(**changes):
-    args = dict(
-        x=jnp.zeros((64, 128), jnp.float8_e4m3fn),
-        w=jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
-        expert_ids=jnp.zeros((64,), jnp.int32),
-        x_scales=jnp.ones((64, 1)),
-        w_scales=jnp.ones((2, 2, 1)),
-        alignment=64,
-        interpret=True,
-    )
+def _call(fn=mg.mosaic_fp8_gemm_contiguous, **changes):
+    """`fn` on small zero operands with `changes`; the fused entry point names the weights
+    w1 and w1_scales."""
+    weights = "w1" if fn is mg.mosaic_fp8_gemm_act_quant_contiguous else "w"
+    args = {
+        "x": jnp.zeros((64, 128), jnp.float8_e4m3fn),
+        weights: jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
+        "expert_ids": jnp.zeros((64,), jnp.int32),
+        "x_scales": jnp.ones((64, 1)),
+        f"{weights}_scales": jnp.ones((2, 2, 1)),
+        "alignment": 64,
+        "interpret": True,
+    }
     args.update(changes)
-    return mg.mosaic_fp8_gemm_contiguous(**args)
+    return fn(**args)
 
 
 @pytest.mark.parametrize(
@@ -586,17 +589,8 @@ def test_act_quant_reference_matches_the_kernel_in_interpret_mode():
 
 
 def _act_quant_call(**changes):
-    args = dict(
-        x=jnp.zeros((64, 128), jnp.float8_e4m3fn),
-        w1=jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
-        expert_ids=jnp.zeros((64,), jnp.int32),
-        x_scales=jnp.ones((64, 1)),
-        w1_scales=jnp.ones((2, 2, 1)),
-        alignment=64,
-        interpret=True,
-    )
-    args.update(changes)
-    return mg.mosaic_fp8_gemm_act_quant_contiguous(**args)
+    """`_call`'s operands (w as w1, w_scales as w1_scales) through the fused entry point."""
+    return _call(fn=mg.mosaic_fp8_gemm_act_quant_contiguous, **changes)
 
 
 @pytest.mark.parametrize(
