@@ -45,6 +45,7 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
         "jax_mosaic_bf16",
         "moe_jax_fp8_graph",
         "moe_jax_fp8_fused_act",
+        "moe_jax_fp8_fused_act_graph",
         "--json",
         str(json_path),
         "--plot",
@@ -60,15 +61,17 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
         assert rows["jax_mosaic_bf16"]["skipped"] == "needs an NVIDIA GPU"
         assert rows["moe_jax_fp8_graph"]["skipped"] == "needs an NVIDIA GPU"
         assert rows["moe_jax_fp8_fused_act"]["skipped"] == "needs an NVIDIA GPU"
+        assert rows["moe_jax_fp8_fused_act_graph"]["skipped"] == "needs an NVIDIA GPU"
         gemm1, gemm2 = "GEMM1 (xla)", "GEMM2 (xla)"
     else:  # the Mosaic GPU ragged dot runs; "auto" picks a GPU GEMM backend
         assert rows["jax_mosaic_bf16"]["rel_err"] < 0.02
         graph = rows["moe_jax_fp8_graph"]  # skipped with a reason where DeepGEMM is missing
         assert graph.get("rel_err", 0.0) < 0.1
         assert not graph.get("skipped", "").startswith("failed:"), graph["skipped"]
-        fused = rows["moe_jax_fp8_fused_act"]  # Hopper only: skipped with a reason elsewhere
-        assert fused.get("rel_err", 0.0) < 0.1
-        assert not fused.get("skipped", "").startswith("failed:"), fused["skipped"]
+        for name in ("moe_jax_fp8_fused_act", "moe_jax_fp8_fused_act_graph"):
+            fused = rows[name]  # Hopper (and DeepGEMM) only: skipped with a reason elsewhere
+            assert fused.get("rel_err", 0.0) < 0.1
+            assert not fused.get("skipped", "").startswith("failed:"), fused["skipped"]
         gemm1, gemm2 = stages[2], stages[4]
         assert gemm1.startswith("GEMM1 (") and gemm2.startswith("GEMM2 ("), stages
     assert stages == [
@@ -83,7 +86,7 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert png_path.read_bytes()[:4] == b"\x89PNG"
     captured = capsys.readouterr()
     assert "moe_jax_fp8" in captured.out and "stages of moe_jax_fp8" in captured.out
-    assert "[1/5] small jax_ragged_dot_bf16" in captured.err  # progress for long runs
+    assert "[1/6] small jax_ragged_dot_bf16" in captured.err  # progress for long runs
 
 
 @pytest.mark.parametrize(

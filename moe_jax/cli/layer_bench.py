@@ -19,6 +19,9 @@ Variants (each runs where it can; the table says why one did not):
   moe_jax_fp8_fused_act FP8 with GEMM1, act(gate) * up and the quantization in one Mosaic GPU
                         kernel (`ContiguousExperts(fused_act_quant="mosaic_fp8")`, 128-row
                         segments; Hopper; runs only when named in --variants)
+  moe_jax_fp8_fused_act_graph
+                        both: the fused GEMM1 and a GEMM2 XLA may capture (only when named;
+                        the XLA_FLAGS above apply)
 """
 
 from __future__ import annotations
@@ -81,8 +84,11 @@ VARIANTS = (
     "moe_jax_fp8",
     "moe_jax_fp8_graph",
     "moe_jax_fp8_fused_act",
+    "moe_jax_fp8_fused_act_graph",
 )
-OPT_IN_VARIANTS = ("moe_jax_fp8_graph", "moe_jax_fp8_fused_act")  # run only when named
+# run only when named
+OPT_IN_VARIANTS = ("moe_jax_fp8_graph", "moe_jax_fp8_fused_act", "moe_jax_fp8_fused_act_graph")
+FP8_VARIANTS = ("moe_jax_fp8",) + OPT_IN_VARIANTS
 BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
 
 
@@ -178,16 +184,17 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         return jax.jit(_sort_pipeline(_mosaic_ragged)), bf16_args
     if name == "moe_jax_bf16":
         return jax.jit(lambda *a: fused_moe(*a, experts="auto")), bf16_args
-    if name in ("moe_jax_fp8", "moe_jax_fp8_graph", "moe_jax_fp8_fused_act"):
+    if name in FP8_VARIANTS:
         experts = "auto"
-        if name == "moe_jax_fp8_graph":
-            experts = _graph_experts(layer)
+        fused = "mosaic_fp8" if "_fused_act" in name else None
+        if fused is not None and jax.default_backend() != "gpu":
+            return "needs an NVIDIA GPU"
+        if name.endswith("_graph"):
+            experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
                 return experts
-        if name == "moe_jax_fp8_fused_act":
-            if jax.default_backend() != "gpu":
-                return "needs an NVIDIA GPU"
-            experts = ContiguousExperts(alignment=128, fused_act_quant="mosaic_fp8")
+        elif fused is not None:
+            experts = ContiguousExperts(alignment=128, fused_act_quant=fused)
         fp8_args = (
             layer.x,
             layer.w1q,
@@ -205,8 +212,9 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
 
 
-def _graph_experts(layer: Layer) -> ContiguousExperts | str:
-    """`ContiguousExperts` whose DeepGEMM calls are CUDA-graph capturable, or why not here.
+def _graph_experts(layer: Layer, *, fused_act_quant: str | None = None) -> ContiguousExperts | str:
+    """`ContiguousExperts` whose DeepGEMM calls are CUDA-graph capturable, or why not here;
+    with `fused_act_quant`, GEMM1 + act * up + quantize run by that backend on 128-row segments.
 
     DeepGEMM must have JIT-compiled every shape before XLA first captures a call, so this runs
     the layer once through the plain DeepGEMM backend first.
@@ -216,7 +224,10 @@ def _graph_experts(layer: Layer) -> ContiguousExperts | str:
     from moe_jax.interop import deep_gemm
 
     backend = deep_gemm.DeepGemm(deep_gemm.DeepGemmConfig(command_buffer_compatible=True))
-    experts = ContiguousExperts(gemm=backend)
+    if fused_act_quant is None:
+        experts = ContiguousExperts(gemm=backend)
+    else:
+        experts = ContiguousExperts(gemm=backend, alignment=128, fused_act_quant=fused_act_quant)
     weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
     num_tokens, topk = layer.topk_ids.shape
     try:
