@@ -76,19 +76,36 @@ SHAPES = {
         name="small", num_tokens=256, num_experts=8, topk=2, hidden=256, intermediate=128
     ),
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Variant:
+    """How one moe_jax FP8 variant builds its experts.
+
+    Attributes:
+      fused_act_quant: `ContiguousExperts(fused_act_quant=...)` (with 128-row segments), or None.
+      is_graph: DeepGEMM calls XLA may capture into a CUDA graph (`_graph_experts`).
+    """
+
+    fused_act_quant: str | None = None
+    is_graph: bool = False
+
+
+FP8_VARIANTS = {
+    "moe_jax_fp8": Fp8Variant(),
+    "moe_jax_fp8_graph": Fp8Variant(is_graph=True),
+    "moe_jax_fp8_fused_act": Fp8Variant(fused_act_quant="mosaic_fp8"),
+    "moe_jax_fp8_fused_act_graph": Fp8Variant(fused_act_quant="mosaic_fp8", is_graph=True),
+}
 VARIANTS = (
     "jax_ragged_dot_bf16",
     "jax_mosaic_bf16",
     "torch_deep_gemm_fp8",
     "moe_jax_bf16",
-    "moe_jax_fp8",
-    "moe_jax_fp8_graph",
-    "moe_jax_fp8_fused_act",
-    "moe_jax_fp8_fused_act_graph",
+    *FP8_VARIANTS,
 )
-# run only when named
-OPT_IN_VARIANTS = ("moe_jax_fp8_graph", "moe_jax_fp8_fused_act", "moe_jax_fp8_fused_act_graph")
-FP8_VARIANTS = ("moe_jax_fp8",) + OPT_IN_VARIANTS
+# run only when named in --variants
+OPT_IN_VARIANTS = tuple(name for name in FP8_VARIANTS if name != "moe_jax_fp8")
 BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
 
 
@@ -185,11 +202,12 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     if name == "moe_jax_bf16":
         return jax.jit(lambda *a: fused_moe(*a, experts="auto")), bf16_args
     if name in FP8_VARIANTS:
+        variant = FP8_VARIANTS[name]
+        fused = variant.fused_act_quant
         experts = "auto"
-        fused = "mosaic_fp8" if "_fused_act" in name else None
         if fused is not None and jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
-        if name.endswith("_graph"):
+        if variant.is_graph:
             experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
                 return experts
