@@ -8,7 +8,7 @@ import shutil
 import jax
 import pytest
 
-from moe_jax.cli import gemm_sweep, interop_bench, kernel_bench
+from moe_jax.cli import gemm_sweep, interop_bench, kernel_bench, layer_report
 from moe_jax.kernels import mosaic_fp8_gemm
 
 
@@ -267,3 +267,17 @@ def test_kernel_gaps_sums_kernels_by_stage_and_plots_them(tmp_path):
     path = tmp_path / "stages.png"
     plot_stages("shape A", stages, 3000.0, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_table_columns_fit_the_longest_variant_name():
+    timed = dict(ms=0.9, tflops=600.0, rel_err=4.3e-2, latency_ms=1.2)
+    rows = [
+        dict(shape="B", variant="moe_jax_fp8", **timed),
+        dict(shape="B", variant="moe_jax_fp8_fused_act_graph", **timed),
+        dict(shape="B", variant="moe_jax_bf16", skipped="no GPU"),
+    ]
+    lines = layer_report.format_table(rows).splitlines()
+    header, short, long = lines[0], lines[2], lines[3]
+    # the "ms" column ends at the same place in the header and in every timed row
+    assert short.index("0.900") + 5 == long.index("0.900") + 5 == header.index("ms") + 2
+    assert lines[4].split() == ["B", "moe_jax_bf16", "skipped:", "no", "GPU"]

@@ -12,18 +12,19 @@ from moe_jax.cli import gpu_clocks
 
 def format_table(rows: list[dict]) -> str:
     """One line per (shape, variant) row of `layer_bench.run`: times, TFLOPS, ratio, error."""
+    width = max([22, *(len(r["variant"]) for r in rows)])  # the variant column fits every name
     header = (
-        f"{'shape':<6} {'variant':<22} {'ms':>9} {'TFLOPS':>8} {'x best base':>11} {'rel. err':>9}"
-        f" {'latency ms':>10}"
+        f"{'shape':<6} {'variant':<{width}} {'ms':>9} {'TFLOPS':>8} {'x best base':>11}"
+        f" {'rel. err':>9} {'latency ms':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         if "ms" not in r:
-            lines.append(f"{r['shape']:<6} {r['variant']:<22} skipped: {r['skipped']}")
+            lines.append(f"{r['shape']:<6} {r['variant']:<{width}} skipped: {r['skipped']}")
             continue
         ratio = f"{r['vs_best_baseline']:.2f}" if "vs_best_baseline" in r else "-"
         lines.append(
-            f"{r['shape']:<6} {r['variant']:<22} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
+            f"{r['shape']:<6} {r['variant']:<{width}} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
             f"{ratio:>11} {r['rel_err']:>9.2e} {r['latency_ms']:>10.3f}"
         )
     lines.append(
@@ -35,7 +36,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append("GPU while timed (nvidia-smi every 50 ms; a slowed GPU times slower):")
         for r in clocks:
             summary = gpu_clocks.ClockSummary(**r["clocks"])
-            lines.append(f"  {r['shape']:<6} {r['variant']:<22} {summary.line()}")
+            lines.append(f"  {r['shape']:<6} {r['variant']:<{width}} {summary.line()}")
     return "\n".join(lines)
 
 
