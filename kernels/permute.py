@@ -97,11 +97,13 @@ def _gather_rows_kernel(
     num_groups: int,
     has_eviction_hints: bool,
     is_scales_group_major: bool,
+    is_padding_zeroed: bool,
 ):
     """out[r, h] = x[source[r], h] where source[r] >= 0, else 0, for one [block_m, block_h] tile.
 
     The programs of the first column block also copy the rows' scales ([block_m, block_g]),
-    into out_scales[r, g], or out_scales[g, r] with `is_scales_group_major`.
+    into out_scales[r, g], or out_scales[g, r] with `is_scales_group_major`. Without
+    `is_padding_zeroed` rows with source[r] < 0 are not written at all (rows and scales).
     """
     rows = pl.program_id(0) * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
@@ -111,6 +113,7 @@ def _gather_rows_kernel(
     has_source = source >= 0
     # Clamped indices keep masked lanes in bounds; the mask decides what is read.
     token = jnp.clip(source, 0, num_tokens - 1)
+    row_written = row_ok if is_padding_zeroed else row_ok & has_source
     taken = plt.load(
         x_ref.at[token[:, None], cols[None, :]],
         mask=has_source[:, None] & col_ok[None, :],
@@ -120,7 +123,7 @@ def _gather_rows_kernel(
     plt.store(
         out_ref.at[rows[:, None], cols[None, :]],
         taken,
-        mask=row_ok[:, None] & col_ok[None, :],
+        mask=row_written[:, None] & col_ok[None, :],
         eviction_policy="evict_first" if has_eviction_hints else None,
     )
     if scales_ref is None:
@@ -143,7 +146,7 @@ def _gather_rows_kernel(
         plt.store(
             out_scales_ref.at[at],
             scales,
-            mask=row_ok[:, None] & group_ok[None, :],
+            mask=row_written[:, None] & group_ok[None, :],
         )
 
 
@@ -158,9 +161,11 @@ def _gather_rows(
     *,
     config: PermuteConfig,
     is_scales_group_major: bool,
+    is_padding_zeroed: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """(x[source[r]], x_scales[source[r]]), zero where source[r] < 0; bit-exact copies.
+    """(x[source[r]], x_scales[source[r]]), zero where source[r] < 0 (left unwritten without
+    `is_padding_zeroed`); bit-exact copies.
 
     With `is_scales_group_major` the row scales are written as float32[G, M] and returned as
     their transpose [M, G], for a GEMM that reads them through that transpose (XLA cancels the
@@ -185,6 +190,7 @@ def _gather_rows(
         num_groups=num_groups,
         has_eviction_hints=config.has_eviction_hints,
         is_scales_group_major=is_scales_group_major,
+        is_padding_zeroed=is_padding_zeroed,
     )
     operands = [x] if x_scales is None else [x, x_scales]
     bits = [jax.lax.bitcast_convert_type(a, _BITS_DTYPE[a.dtype.itemsize]) for a in operands]
@@ -236,7 +242,14 @@ def _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_experts", "alignment", "config", "is_scales_group_major", "interpret"),
+    static_argnames=(
+        "num_experts",
+        "alignment",
+        "config",
+        "is_scales_group_major",
+        "is_padding_zeroed",
+        "interpret",
+    ),
 )
 def permute(
     x: jax.Array,
@@ -248,6 +261,7 @@ def permute(
     alignment: int = layouts.DEFAULT_ALIGNMENT,
     config: PermuteConfig | None = None,
     is_scales_group_major: bool = False,
+    is_padding_zeroed: bool = True,
     interpret: bool = False,
 ) -> layouts.ContiguousLayout:
     """Copies each token once per chosen local expert into expert-contiguous rows.
@@ -302,6 +316,7 @@ def permute(
         meta.source,
         config=config,
         is_scales_group_major=is_scales_group_major,
+        is_padding_zeroed=is_padding_zeroed,
         interpret=interpret,
     )
     return layouts.ContiguousLayout(

@@ -380,6 +380,9 @@ class ContiguousExperts(Experts):
             expert_map=expert_map,
             alignment=gemms.alignment,
             is_scales_group_major=gemms.gemm1.is_scales_group_major,
+            # FP8 rows are inference only, and every GEMM computes rows independently (padding
+            # rows' outputs are never read): the permute need not write zeros there
+            is_padding_zeroed=prepared.x.dtype != quant.FP8_DTYPE,
             impl=self.permute_impl,
         )
 

@@ -83,10 +83,13 @@ ROUTING_METADATA = _registry(
 )
 
 
-def _xla_permute(x, topk_ids, *, is_scales_group_major: bool = False, **kwargs):
+def _xla_permute(
+    x, topk_ids, *, is_scales_group_major: bool = False, is_padding_zeroed: bool = True, **kwargs
+):
     """`layouts.permute_reference` under the kernels' signature: `is_scales_group_major` asks
-    a kernel how to lay its scales out in memory, and XLA lays out its own arrays."""
-    del is_scales_group_major
+    a kernel how to lay its scales out in memory, and XLA lays out its own arrays; its padding
+    rows are zeros either way (what `is_padding_zeroed=False` leaves unspecified)."""
+    del is_scales_group_major, is_padding_zeroed
     return layouts.permute_reference(x, topk_ids, **kwargs)
 
 
@@ -110,6 +113,7 @@ def permute(
     expert_map: jax.Array | None = None,
     alignment: int = layouts.DEFAULT_ALIGNMENT,
     is_scales_group_major: bool = False,
+    is_padding_zeroed: bool = True,
     impl: str = AUTO,
 ) -> layouts.ContiguousLayout:
     """Copies each token once per chosen local expert into expert-contiguous rows.
@@ -125,10 +129,17 @@ def permute(
       is_scales_group_major: have the kernel write `row_scales` as [G, M] in memory (the values
         are the same), for a GEMM1 that reads them through that transpose
         (`GroupedGemm.is_scales_group_major`), so that XLA cancels the transposes.
+      is_padding_zeroed: padding rows (and their scales) are zeros; False lets an implementation
+        skip writing them (they are then unspecified: the Pallas kernel leaves them as the
+        buffer held them). Only for FP8 rows, which are not differentiated: a float layout feeds
+        the weight gradient, which sums whole segments, padding rows included.
       impl: "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
 
     Returns:
       `moe_jax.layouts.ContiguousLayout`.
+
+    Raises:
+      ValueError: `is_padding_zeroed=False` with float (differentiable) rows.
 
     Example:
       >>> lay = permute(jnp.ones((2, 4)), jnp.array([[1], [1]]), num_experts=2, alignment=1)
@@ -145,6 +156,13 @@ def permute(
             expert_map=expert_map,
             alignment=alignment,
             is_scales_group_major=is_scales_group_major,
+            is_padding_zeroed=is_padding_zeroed,
+        )
+    if not is_padding_zeroed:
+        raise ValueError(
+            f"is_padding_zeroed=False with {x.dtype} rows: only FP8 rows (inference) may leave "
+            "padding rows unwritten; float rows feed the weight gradient, which sums whole "
+            "segments. Drop the argument."
         )
     unpermute_impl = UNPERMUTES.select(impl, problem_for(x))
     statics = (chosen, unpermute_impl, num_experts, alignment, jnp.dtype(x.dtype))

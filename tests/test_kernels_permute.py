@@ -100,18 +100,18 @@ def _assert_bitwise(a: layouts.ContiguousLayout, b: layouts.ContiguousLayout):
         np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8), err_msg=field)
 
 
-def _assert_matches_oracle(lay, oracle):
+def _assert_matches_oracle(lay, oracle, *, is_padding_zeroed: bool = True):
+    """Every row (and scale) as the oracle's; without `is_padding_zeroed`, real rows only."""
     # A copy is exact in every dtype, so the oracle comparison has zero tolerance.
-    rows = oracle["rows"].astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(lay.rows.astype(jnp.float32)), rows)
     for field in ("expert_ids", "inverse", "num_tokens_per_expert", "expert_ends"):
         np.testing.assert_array_equal(np.asarray(getattr(lay, field)), oracle[field], field)
     assert lay.inverse.dtype == jnp.int32 and lay.expert_ids.dtype == jnp.int32
-    is_pad = np.asarray(lay.expert_ids) < 0
-    assert not np.any(np.asarray(lay.rows.astype(jnp.float32))[is_pad]), "padding rows not zero"
+    checked = (np.asarray(lay.expert_ids) >= 0) | is_padding_zeroed  # padding: zeros
+    rows = np.asarray(lay.rows.astype(jnp.float32))
+    np.testing.assert_array_equal(rows[checked], oracle["rows"].astype(np.float32)[checked])
     if oracle["row_scales"] is not None:
-        np.testing.assert_array_equal(np.asarray(lay.row_scales), oracle["row_scales"])
-        assert not np.any(np.asarray(lay.row_scales)[is_pad]), "padding scales not zero"
+        scales = np.asarray(lay.row_scales)
+        np.testing.assert_array_equal(scales[checked], oracle["row_scales"][checked])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -151,6 +151,36 @@ def test_permute_fp8_rows_carry_scales(impl, is_scales_group_major, problem):
     assert lay.rows.dtype == jnp.float8_e4m3fn and lay.row_scales.dtype == jnp.float32
     _assert_matches_oracle(lay, _oracle(q, ids, x_scales=scales, **kwargs))
     _assert_bitwise(lay, _reference(q, ids, x_scales=scales, **kwargs))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("problem", FP8_PROBLEMS, ids=str)
+def test_permute_fp8_unzeroed_padding_keeps_every_real_row(impl, problem):
+    """`is_padding_zeroed=False` (the FP8 inference path): padding rows and their scales are
+    unspecified, every real row, scale and index is still the oracle's, bit for bit."""
+    rng = np.random.default_rng(oracles.seed("permute_fp8_unzeroed", str(problem)))
+    ids, expert_map = _routing(problem, rng)
+    x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)) * 3, jnp.float32)
+    q, scales = per_token_group_quant_fp8(x)
+    kwargs = dict(
+        num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
+    )
+    if impl == "reference":
+        lay = permute_front.permute(
+            q, ids, x_scales=scales, is_padding_zeroed=False, impl="xla", **kwargs
+        )
+    else:
+        lay = _run(impl, q, ids, x_scales=scales, is_padding_zeroed=False, **kwargs)
+    is_pad = np.asarray(lay.expert_ids) < 0
+    assert is_pad.any(), "the problem should have padding rows"
+    _assert_matches_oracle(lay, _oracle(q, ids, x_scales=scales, **kwargs), is_padding_zeroed=False)
+
+
+def test_permute_front_refuses_unzeroed_padding_for_float_rows():
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    ids = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="is_padding_zeroed=False with bfloat16 rows"):
+        permute_front.permute(x, ids, num_experts=2, alignment=4, is_padding_zeroed=False)
 
 
 def test_permute_front_module_runs_the_kernel():
