@@ -7,8 +7,9 @@ layer shape A, see `moe_jax.permute.xla_routing_metadata_first`; interpret mode 
 XLA ops). A
 Pallas Triton kernel then does the heavy part in gather form: one program per block of output rows
 and hidden columns reads the source token of each row and copies it, writing zeros on padding
-rows. Every output element is written exactly once, with no atomics, so interpret mode (CPU tests)
-runs the same program.
+rows (or, with `is_padding_zeroed=False`, nothing there: 20% of the bytes at layer shape B). Every
+output element is written at most once, with no atomics, so interpret mode (CPU tests) runs the
+same program.
 
 Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (pairs p = token*k + slot = 0..3):
 
