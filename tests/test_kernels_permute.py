@@ -134,18 +134,24 @@ FP8_PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("is_scales_group_major", [False, True], ids=["scales_rows", "scales_gm"])
-@pytest.mark.parametrize("problem", FP8_PROBLEMS, ids=str)
-def test_permute_fp8_rows_carry_scales(impl, is_scales_group_major, problem):
-    """Either layout of the scales in the kernel's memory gives the same values."""
-    rng = np.random.default_rng(oracles.seed("permute_fp8", str(problem)))
+def _fp8_problem(name: str, problem: Problem):
+    """(FP8 tokens, their float32 scales, topk_ids, the permute's keyword arguments), seeded."""
+    rng = np.random.default_rng(oracles.seed(name, str(problem)))
     ids, expert_map = _routing(problem, rng)
     x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)) * 3, jnp.float32)
     q, scales = per_token_group_quant_fp8(x)
     kwargs = dict(
         num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
     )
+    return q, scales, ids, kwargs
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("is_scales_group_major", [False, True], ids=["scales_rows", "scales_gm"])
+@pytest.mark.parametrize("problem", FP8_PROBLEMS, ids=str)
+def test_permute_fp8_rows_carry_scales(impl, is_scales_group_major, problem):
+    """Either layout of the scales in the kernel's memory gives the same values."""
+    q, scales, ids, kwargs = _fp8_problem("permute_fp8", problem)
     kernel_kwargs = {} if impl == "reference" else dict(is_scales_group_major=is_scales_group_major)
     lay = _run(impl, q, ids, x_scales=scales, **kwargs, **kernel_kwargs)
     assert lay.rows.dtype == jnp.float8_e4m3fn and lay.row_scales.dtype == jnp.float32
@@ -158,13 +164,7 @@ def test_permute_fp8_rows_carry_scales(impl, is_scales_group_major, problem):
 def test_permute_fp8_unzeroed_padding_keeps_every_real_row(impl, problem):
     """`is_padding_zeroed=False` (the FP8 inference path): padding rows and their scales are
     unspecified, every real row, scale and index is still the oracle's, bit for bit."""
-    rng = np.random.default_rng(oracles.seed("permute_fp8_unzeroed", str(problem)))
-    ids, expert_map = _routing(problem, rng)
-    x = jnp.asarray(rng.standard_normal((problem.num_tokens, problem.hidden)) * 3, jnp.float32)
-    q, scales = per_token_group_quant_fp8(x)
-    kwargs = dict(
-        num_experts=problem.num_experts, expert_map=expert_map, alignment=problem.alignment
-    )
+    q, scales, ids, kwargs = _fp8_problem("permute_fp8_unzeroed", problem)
     if impl == "reference":
         lay = permute_front.permute(
             q, ids, x_scales=scales, is_padding_zeroed=False, impl="xla", **kwargs
