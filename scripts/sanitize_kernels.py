@@ -12,7 +12,8 @@ correct one. Pass kernel names to run a subset (`--list` prints them).
 
 The kernels, each through its front's registry (the names a user passes):
 
-- permute (`PERMUTES` "pallas"): the row gather with and without FP8 scales;
+- permute (`PERMUTES` "pallas"): the row gather with and without FP8 scales, and with FP8
+  scales leaving the padding rows unwritten (the FP8 layer's);
 - unpermute (`UNPERMUTES`): the weighted gather-sum, and the weightless one (permute's VJP);
 - count (`COUNTS`), routing_metadata (`ROUTING_METADATA`: the contiguous layout's inverse,
   counts, segment ends and each row's token and expert; the one kernel with atomics and a
@@ -97,19 +98,39 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
     w1q, w1s = quant.per_block_quant_fp8(w1)
     w1_bf16 = w1.astype(jnp.bfloat16)
 
-    def run_permute(impl, rows, scales, alignment=layouts.DEFAULT_ALIGNMENT, num_tokens=None):
+    def run_permute(
+        impl,
+        rows,
+        scales,
+        alignment=layouts.DEFAULT_ALIGNMENT,
+        num_tokens=None,
+        is_padding_zeroed=True,
+    ):
+        """The layout; without `is_padding_zeroed` (FP8 only) its padding rows and scales are
+        zeroed after the kernel, so that the real rows compare bit for bit with XLA's."""
         n = shape.num_tokens if num_tokens is None else num_tokens
-        return jax.jit(
-            lambda r, s: permute.permute(
+
+        def run(r, s):
+            lay = permute.permute(
                 r,
                 ids[:n],
                 num_experts=e,
                 x_scales=s,
                 expert_map=expert_map,
                 alignment=alignment,
+                is_padding_zeroed=is_padding_zeroed,
                 impl=impl,
             )
-        )(rows, scales)
+            if is_padding_zeroed:
+                return lay
+            is_real = (lay.expert_ids >= 0)[:, None]
+            return dataclasses.replace(
+                lay,
+                rows=jnp.where(is_real, lay.rows, jnp.zeros((), lay.rows.dtype)),
+                row_scales=jnp.where(is_real, lay.row_scales, 0.0),
+            )
+
+        return jax.jit(run)(rows, scales)
 
     lay = run_permute("xla", x, None)
     y = jnp.asarray(np.random.default_rng(1).standard_normal(lay.rows.shape), jnp.bfloat16)
@@ -267,6 +288,12 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
             lambda impl: run_permute(impl, x, None), "pallas", "pallas_interpret"
         ),
         "permute_fp8": Kernel(lambda impl: run_permute(impl, xq, xs), "pallas", "pallas_interpret"),
+        # the FP8 path's permute: padding rows left unwritten (real rows compared)
+        "permute_fp8_unzeroed": Kernel(
+            lambda impl: run_permute(impl, xq, xs, is_padding_zeroed=False),
+            "pallas",
+            "pallas_interpret",
+        ),
         # The float32 slot sums may contract to FMAs (Triton, XLA): a bf16 output may round one
         # ulp apart (tests/test_kernels_unpermute holds them to a tolerance, not to bits).
         "unpermute": Kernel(

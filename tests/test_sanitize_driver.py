@@ -39,6 +39,7 @@ def test_the_driver_covers_every_pallas_kernel_family(driver):
     assert {
         "permute_bf16",
         "permute_fp8",
+        "permute_fp8_unzeroed",
         "unpermute",
         "unpermute_no_weights",
         "count",
