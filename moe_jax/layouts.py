@@ -103,9 +103,11 @@ class ContiguousLayout:
     """Rows grouped by expert, each segment padded to the alignment (see module docstring).
 
     Attributes:
-      rows: [M, H] token copies (bf16, float32 or float8_e4m3fn); padding rows are zero.
+      rows: [M, H] token copies (bf16, float32 or float8_e4m3fn); padding rows are zero
+        (unspecified where `moe_jax.permute.permute` ran with `is_padding_zeroed=False`, as on
+        the FP8 inference path).
       row_scales: float32[M, H // 128] activation scales travelling with FP8 rows (zero on
-        padding), or None.
+        padding, or unspecified as the rows), or None.
       expert_ids: int32[M] local expert of each row, -1 on padding.
       inverse: int32[T, k] row holding each (token, slot), -1 for slots routed nowhere.
       num_tokens_per_expert: int32[E] valid rows per expert.
