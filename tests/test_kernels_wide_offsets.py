@@ -1,6 +1,6 @@
 """`moe_jax.kernels._wide_offsets`: 1-byte arrays of > 2**31 elements get int64 pointer offsets.
 
-On the CPU probe kernels are lowered for CUDA without running (`lowering_platforms`), with
+On the CPU probe kernels are lowered for CUDA without running (`_triton.lower_for_hopper`), with
 Pallas' `debug=True` printing the Triton IR, and the element offsets of their FP8 load or store
 are read from that IR: i64 with the patch, i32 without it (JAX's bug, which the second test
 documents: when it fails, JAX counts elements and the patch module can go). On the GPU a
@@ -49,8 +49,7 @@ def _offset_types(shape, dtype, capsys, *, store: bool = False) -> list[str]:
         )(operand)
 
     capsys.readouterr()
-    with _triton.quiet_triton_deprecation():
-        jax.jit(run).trace(TILE if store else big).lower(lowering_platforms=("cuda",))
+    _triton.lower_for_hopper(run, TILE if store else big)
     ir = capsys.readouterr().out
     # The small operand is float32, so the large one's pointers are the only other ones.
     tile = f"{ROWS}x{COLS}"

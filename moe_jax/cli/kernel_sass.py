@@ -175,7 +175,7 @@ _LOCATION = re.compile(r'( \[unknown\]| "[^"]*"\(#loc\d*\)| loc\([^)]*\))')
 
 
 def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
-    """The Triton IR of every `pallas_call` in `jax.jit(fn)` lowered for CUDA, in call order.
+    """The Triton IR of every `pallas_call` in `jax.jit(fn)` lowered for sm_90, in call order.
 
     Pallas prints each module when a call asks for `debug=True`; this forces it for the duration
     of the lowering and records each call's warps and stages (Triton's compiler options, which
@@ -183,6 +183,8 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
     Triton's own parser reads the text.
     """
     from jax.experimental import pallas as pl
+
+    from moe_jax.kernels import _triton
 
     original, options = pl.pallas_call, []
 
@@ -200,8 +202,7 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
     pl.pallas_call = pallas_call_with_debug
     try:
         with captured_stdout() as printed:
-            # A fresh function each time: a cached trace would not call pallas_call again.
-            jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+            _triton.lower_for_hopper(fn, *args)
     finally:
         pl.pallas_call = original
     texts = _module_texts(printed.getvalue())
