@@ -5,9 +5,6 @@ backend lowers such indexed loads and stores: Mosaic GPU's indexed TMA copies us
 a Blackwell instruction. jax 0.11 deprecates the Triton backend (deprecation id
 `jax-pallas-triton`) without a Hopper replacement for indexed copies, so `quiet_triton_deprecation`
 hides that one warning while a kernel is traced. Remove it once Mosaic GPU gathers rows on sm_90.
-
-`lower_for_hopper` lowers a function for CUDA on sm_90 in any process, GPU or not: the tools and
-tests that read the Triton IR of these kernels on CPU machines use it.
 """
 
 from __future__ import annotations
@@ -18,9 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 from jax.experimental.pallas import triton as plt
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from moe_jax.kernels import _wide_offsets
 from moe_jax.registry import FunctionImpl, OpProblem, Registry
@@ -38,21 +33,6 @@ def quiet_triton_deprecation():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
         yield
-
-
-# The GPU the kernels are tuned for (sm_90). Pallas Triton asks JAX which GPU it lowers for; in a
-# process without one, jax>=0.11 refuses unless an abstract device says (0.10 assumed sm_90).
-HOPPER = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-
-
-def lower_for_hopper(fn: Callable[..., Any], *args: Any) -> jax.stages.Lowered:
-    """`jax.jit(fn)` traced on `args` (arrays or `jax.ShapeDtypeStruct`s) and lowered for CUDA on
-    an H200 (sm_90), with or without a GPU in this process. Nothing is compiled or run. The
-    jitted function is made afresh, so each call traces (and prints Pallas's `debug` IR) again.
-    """
-    hopper_mesh = AbstractMesh((1,), ("device",), abstract_device=HOPPER)
-    with use_abstract_mesh(hopper_mesh), quiet_triton_deprecation():
-        return jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def compiler_params(*, num_warps: int, num_stages: int) -> plt.CompilerParams:

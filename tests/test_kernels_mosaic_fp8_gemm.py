@@ -544,10 +544,10 @@ def test_act_quant_matches_float64_loop_and_the_unfused_kernels(
     """Ids outside [0, E) and padding blocks, empty experts, several blocks per expert, against
     GEMM1 + `act_and_quant` by the same kernels. Compiled, the activation's approximations (exp2,
     and Mosaic GPU's division against the Pallas kernel's correctly rounded one) may move a code
-    by one FP8 step. In interpret mode the two agree bit for bit on jax 0.10.2's CPU backend,
-    but not on 0.11.2's (the H200 host, 2026-12-04: 0.07% of codes one step apart, rows whose
-    largest activation rounded the other way; cause not isolated), so both modes are held to
-    the same bound."""
+    by one FP8 step. In interpret mode the two agree bit for bit on the CI machines' CPU (Xeon
+    with AVX-512 BF16) under jax 0.10.2 and 0.11.2, but not on the H200 host's CPU under 0.11.2
+    (2026-12-04: 0.07% of codes one step apart, rows whose largest activation rounded the other
+    way): XLA's CPU code depends on the host, so both modes are held to the same bound."""
     rng = np.random.default_rng(oracles.seed("act_quant", problem.name))
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
     lay = oracles.permute(x, ids, problem.num_experts, alignment=alignment, x_scales=x_scales)

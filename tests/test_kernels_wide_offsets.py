@@ -1,8 +1,8 @@
 """`moe_jax.kernels._wide_offsets`: 1-byte arrays of > 2**31 elements get int64 pointer offsets.
 
-On the CPU probe kernels are lowered for CUDA without running (`_triton.lower_for_hopper`), with
-Pallas' `debug=True` printing the Triton IR, and the element offsets of their FP8 load or store
-are read from that IR: i64 with the patch, i32 without it (JAX's bug, which the second test
+On the CPU probe kernels are lowered for CUDA without running (`lower_for_hopper`), with Pallas'
+`debug=True` printing the Triton IR, and the element offsets of their FP8 load or store are read
+from that IR: i64 with the patch, i32 without it (JAX's bug, which the second test
 documents: when it fails, JAX counts elements and the patch module can go). On the GPU a
 grouped GEMM over FP8 weights of 2.3e9 elements reads an expert past element 2**31 and must see
 that expert's values, not another's.
@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from moe_jax import quant
 from moe_jax.kernels import _triton, _wide_offsets
+from moe_jax.kernels.lowering import lower_for_hopper
 
 ROWS, COLS = 16, 128
 DEEPSEEK_W2 = (256, 7168, 2048)  # 3.76e9 FP8 elements: past 2**31, below 2**32 bytes
@@ -49,7 +50,7 @@ def _offset_types(shape, dtype, capsys, *, store: bool = False) -> list[str]:
         )(operand)
 
     capsys.readouterr()
-    _triton.lower_for_hopper(run, TILE if store else big)
+    lower_for_hopper(run, TILE if store else big)
     ir = capsys.readouterr().out
     # The small operand is float32, so the large one's pointers are the only other ones.
     tile = f"{ROWS}x{COLS}"

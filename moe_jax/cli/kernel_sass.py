@@ -184,7 +184,7 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
     """
     from jax.experimental import pallas as pl
 
-    from moe_jax.kernels import _triton
+    from moe_jax.kernels import lowering
 
     original, options = pl.pallas_call, []
 
@@ -202,7 +202,7 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
     pl.pallas_call = pallas_call_with_debug
     try:
         with captured_stdout() as printed:
-            _triton.lower_for_hopper(fn, *args)
+            lowering.lower_for_hopper(fn, *args)
     finally:
         pl.pallas_call = original
     texts = _module_texts(printed.getvalue())
