@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh decode     the Mosaic FP8 GEMM's compiled tests, its config sweep at
 #       T=1024-6144 and the decode layer from T=512 to 8192 with "auto" beside the three FP8
 #       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
+#   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
+#       layer and its fused-GEMM1 variant), then `kernel_gaps` for both experts at B and A
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -74,8 +76,21 @@ case "$mode" in
       | tee "$out/decode.log" || status=1
     exit "$status"
     ;;
+  prefill)
+    status=0
+    python3 -m moe_jax bench --shapes B A --variants moe_jax_fp8 moe_jax_fp8_fused_act \
+      --iters 20 --json "$out/prefill_bench.json" 2>&1 | tee "$out/prefill.log" || status=1
+    for shape in B A; do
+      for experts in deep_gemm deep_gemm+mosaic_fp8; do
+        python3 -m moe_jax.cli.kernel_gaps --shape "$shape" --experts "$experts" --samples 3 \
+          --json "$out/gaps_${shape}_${experts/+/_}.json" 2>&1 | tee -a "$out/prefill.log" \
+          || status=1
+      done
+    done
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill (see the top of this file)" >&2
     exit 2
     ;;
 esac
