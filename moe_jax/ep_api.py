@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from moe_jax.expert_parallel import AllToAllPrepareFinalize, EPConfig, EPStats
 from moe_jax.experts import Experts, resolve_experts
 from moe_jax.modular import ModularMoE
+from moe_jax.moe_inputs import check_moe_inputs
 
 
 def ep_moe(
@@ -128,6 +129,20 @@ def ep_fused_moe(
       ([1.4621, 0.0], [0])
     """
     config = EPConfig(axis_name=axis_name, capacity_per_rank=capacity_per_rank, transport=transport)
+    # The global arguments, as `fused_moe` checks them: a rank's slice would name its own shapes.
+    check_moe_inputs(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        expert_map=None,
+        global_num_experts=None,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        activation=activation,
+    )
     num_experts = w1.shape[0]
     if axis_name not in mesh.shape:
         raise ValueError(f"{axis_name=} is not an axis of the mesh; it has {mesh.axis_names}")

@@ -49,6 +49,7 @@ from moe_jax.prepare_finalize import (
     scale_by_router_weight,
 )
 from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, current_platform
+from moe_jax.routing import require_int
 
 
 def transport_preference(problem: OpProblem) -> tuple[str, ...]:
@@ -87,7 +88,10 @@ class EPConfig:
     def __post_init__(self):
         if self.transport != AUTO:
             TRANSPORTS.get(self.transport)  # an unknown name raises, listing the valid ones
-        if self.capacity_per_rank is not None and self.capacity_per_rank <= 0:
+        if (
+            self.capacity_per_rank is not None
+            and require_int("capacity_per_rank", self.capacity_per_rank) <= 0
+        ):
             raise ValueError(f"capacity_per_rank={self.capacity_per_rank} must be positive or None")
 
     def resolved_transport(self, dtype=jnp.bfloat16) -> FunctionImpl:
@@ -180,7 +184,7 @@ def send_slots(
       ([[2, 0], [3, -1]], [[1, 0], [0, 0]], [1, 3])
     """
     experts_per_rank = num_experts // num_ranks
-    ids = topk_ids.astype(jnp.int32)
+    ids = layouts.ids_as_int32(topk_ids)
     is_valid = (ids >= 0) & (ids < num_experts)
     dest = jnp.where(is_valid, ids // experts_per_rank, -1)
     one_hot = (dest.reshape(-1)[:, None] == jnp.arange(num_ranks, dtype=jnp.int32)[None, :]).astype(
@@ -196,12 +200,16 @@ def send_slots(
     return slot, local, routed
 
 
-def _scatter_rows(values: jax.Array, slot: jax.Array, num_rows: int, fill) -> jax.Array:
-    """[T, ...] per-token (or [T, k, ...] per-pair) values -> [num_rows, ...] at `slot` rows."""
+def _scatter_rows(
+    values: jax.Array, slot: jax.Array, num_rows: int, fill, *, is_per_pair: bool
+) -> jax.Array:
+    """[T, ...] per-token (or, `is_per_pair`, [T, k, ...]) values -> [num_rows, ...] at `slot`
+    rows. Said, not guessed from the shape: a token's [H / 128] scales with H / 128 == k look
+    per-pair."""
     num_tokens, topk = slot.shape
     flat = slot.reshape(-1)
     target = jnp.where(flat >= 0, flat, num_rows)  # out of range -> dropped by the scatter
-    if values.shape[:2] == slot.shape:
+    if is_per_pair:
         per_pair = values.reshape(num_tokens * topk, *values.shape[2:])
     else:
         per_pair = jnp.repeat(values, topk, axis=0)
@@ -313,11 +321,12 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             send_sizes=sent,
             recv_sizes=received,
         )
-        rows = _exchange(_scatter_rows(x, slot, num_rows, 0), 0, **exchange)
+        rows = _exchange(_scatter_rows(x, slot, num_rows, 0, is_per_pair=False), 0, **exchange)
         scales = None
         if x_scales is not None:
-            scales = _exchange(_scatter_rows(x_scales, slot, num_rows, 0), 0, **exchange)
-        ids = _exchange(_scatter_rows(local, slot, num_rows, -1), -1, **exchange)
+            scatter = _scatter_rows(x_scales, slot, num_rows, 0, is_per_pair=False)
+            scales = _exchange(scatter, 0, **exchange)
+        ids = _exchange(_scatter_rows(local, slot, num_rows, -1, is_per_pair=True), -1, **exchange)
         stats = EPStats(
             num_routed_per_rank=routed,
             num_dropped=jnp.sum(routed - sent, dtype=jnp.int32),

@@ -219,6 +219,11 @@ def moe_from_pretrained(
     """
     if layer_index < 0:
         raise ValueError(f"layer_index={layer_index} must be >= 0 (decoder layers count from 0)")
+    if not layers_prefix.endswith("."):
+        raise ValueError(
+            f"layers_prefix={layers_prefix!r} must end with '.' (e.g. 'model.layers.'): the "
+            "layer's keys are layers_prefix + index + '.'"
+        )
     config = read_hf_config(path)
     moe_kwargs_from_hf_config(config)  # unsupported model types fail before any tensor is read
     num_layers = config.get("num_hidden_layers")

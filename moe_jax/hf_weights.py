@@ -38,6 +38,7 @@ HF_NAMINGS = (
 _PER_EXPERT_PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 _SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _SCALE_SUFFIX = "_scale_inv"
+_BLOCK = (128, 128)  # FP8 checkpoints' weight_scale_inv: one scale per 128x128 tile
 _MAX_LISTED = 12
 
 
@@ -182,13 +183,46 @@ def _stack(state_dict: Mapping[str, Any], keys: list[list[str]]) -> np.ndarray:
         row = 0
         for k in keys[e]:
             a = to_numpy(state_dict[k])
-            if a.ndim != first.ndim or row + a.shape[0] > first.shape[0]:
+            if (
+                a.ndim != first.ndim
+                or a.shape[1:] != first.shape[1:]
+                or row + a.shape[0] > first.shape[0]
+            ):
                 raise ValueError(
                     f"{k} has shape {a.shape}, which does not fit expert 0's {keys[0]} "
                     f"(stacked {first.shape}); all experts need the same shapes"
                 )
             out[e, row : row + a.shape[0]] = a
             row += a.shape[0]
+        if row != first.shape[0]:
+            raise ValueError(
+                f"{keys[e]} stack to {row} rows but expert 0's {keys[0]} to {first.shape[0]}; "
+                "all experts need the same shapes"
+            )
+    return out
+
+
+def _dequantize_halves(w: np.ndarray, scale: np.ndarray, *, name: str) -> np.ndarray:
+    """float32 [..., 2I, K] of an FP8 gate-and-up weight whose halves carry their own 128x128
+    block scales, [..., 2 ceil(I/128), ceil(K/128)]: how DeepSeek's per-projection tensors (and
+    transformers 5's fused `gate_up_proj_scale_inv`) store them. Where I is not a multiple of
+    128, no one block-scale array of the joined [2I, K] weight holds them."""
+    bn, bk = _BLOCK
+    half, k = w.shape[-2] // 2, w.shape[-1]
+    groups = -(-half // bn)
+    expected = (*w.shape[:-2], 2 * groups, -(-k // bk))
+    if scale.shape != expected:
+        raise ValueError(
+            f"{name}: {w.shape=} (gate and up halves of {half} rows) needs per-half 128x128 "
+            f"block scales of shape {expected} but {scale.shape=}; the checkpoint's "
+            "weight_scale_inv does not match its weight"
+        )
+    out = np.empty(w.shape, np.float32)
+    for h in range(2):
+        rows = slice(h * half, (h + 1) * half)
+        tiles = scale[..., h * groups : (h + 1) * groups, :]
+        tiles = np.repeat(np.repeat(tiles, bn, axis=-2), bk, axis=-1)[..., :half, :k]
+        out[..., rows, :] = w[..., rows, :].astype(np.float32) * tiles
     return out
 
 
@@ -223,9 +257,11 @@ def hf_moe_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, 
       numpy arrays named as `MoE` params: router_kernel [H, E], w1 [E, 2I, H], w2 [E, H, I];
       e_score_correction_bias float32[E] and shared_w1 [2nI, H], shared_w2 [H, nI] when the
       checkpoint has them; with FP8 checkpoints w1/w2 (and shared_*) are float8_e4m3fn and
-      float32 `*_scale` arrays come too. Qwen2-MoE's shared-expert gate comes as
-      `shared_gate_kernel` [H, 1] (the shared output is scaled by sigmoid(x @ it)), which `MoE`
-      has no param for.
+      float32 `*_scale` arrays come too, except a w1 (or shared_w1) whose I is not a multiple
+      of 128: its gate and up halves are block-scaled separately, which one [2I, H] FP8 array
+      with 128x128 block scales cannot hold, so it comes dequantized to float32. Qwen2-MoE's
+      shared-expert gate comes as `shared_gate_kernel` [H, 1] (the shared output is scaled by
+      sigmoid(x @ it)), which `MoE` has no param for.
 
     Raises:
       ValueError: no MoE block under the prefix, or shapes that do not agree.
@@ -254,7 +290,11 @@ def hf_moe_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, 
         if naming.is_fp8:
             scale_rows = [[k + _SCALE_SUFFIX for k in row] for row in rows]
             s = _stack(state_dict, scale_rows).astype(np.float32)
-            params[name + "_scale"] = s[0] if is_shared or naming.is_fused else s
+            s = s[0] if is_shared or naming.is_fused else s
+            if name.endswith("w1") and (params[name].shape[-2] // 2) % _BLOCK[0]:
+                params[name] = _dequantize_halves(params[name], s, name=name)
+            else:
+                params[name + "_scale"] = s
     w1, w2 = params["w1"], params["w2"]
     if w1.ndim != 3 or w1.shape[::2] != (num_experts, hidden) or w1.shape[1] % 2:
         raise ValueError(

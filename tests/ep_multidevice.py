@@ -44,6 +44,10 @@ CASES = {
         Case("invalid_ids", routing="invalid", capacity_per_rank=1),
         Case("weight_on_input", topk=1, weight_on_input=True, routing="skewed"),
         Case("masked_chunked", routing="skewed", experts="masked_chunked"),
+        # a token's [H / 128] scales, or a float token's [H], as many as its k slots: per-token
+        # values that once were taken for per-(token, slot) ones
+        Case("fp8_scale_groups_eq_k", fp8=True, hidden=256, topk=2),
+        Case("hidden_eq_k", hidden=4, inter=8, topk=4),
     ]
 }
 

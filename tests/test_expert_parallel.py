@@ -179,6 +179,25 @@ def test_config_errors():
         EPConfig(axis_name="ep", transport="nccl")
     with pytest.raises(ValueError, match="capacity_per_rank=0"):
         EPConfig(axis_name="ep", capacity_per_rank=0)
+    with pytest.raises(TypeError, match=r"capacity_per_rank=2\.0 must be an int"):
+        EPConfig(axis_name="ep", capacity_per_rank=2.0)
+
+
+def test_global_arguments_are_checked_before_the_split():
+    """Errors name the shapes the caller passed: checked per rank, a missing w2_scale asked for
+    a rank's (2, 1, 1) scales, and a [9, k] topk_ids failed inside the sharding."""
+    from moe_jax import quant
+
+    mesh = jax.make_mesh((1,), ("ep",))
+    x = jnp.ones((8, 128), jnp.bfloat16)
+    w1, s1 = quant.per_block_quant_fp8(jnp.ones((4, 256, 128)))
+    w2, s2 = quant.per_block_quant_fp8(jnp.ones((4, 128, 128)))
+    weights, ids = jnp.ones((8, 2)), jnp.zeros((8, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"pass w2_scale of shape \(4, 1, 1\)"):
+        ep_fused_moe(mesh, x, w1, w2, weights, ids, axis_name="ep", w1_scale=s1)
+    with pytest.raises(ValueError, match=r"topk_ids\.shape=\(9, 2\)"):
+        bad_ids = jnp.zeros((9, 2), jnp.int32)
+        ep_fused_moe(mesh, x, w1, w2, weights, bad_ids, axis_name="ep", w1_scale=s1, w2_scale=s2)
 
 
 def test_unknown_mesh_axis_is_named():

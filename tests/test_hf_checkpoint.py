@@ -145,6 +145,8 @@ def test_checkpoint_directory_errors(tiny_models, tmp_path):
         moe_from_pretrained(deepseek, 5)
     with pytest.raises(ValueError, match="layer_index=-1"):
         moe_from_pretrained(deepseek, -1)
+    with pytest.raises(ValueError, match=r"layers_prefix='model.layers' must end with '\.'"):
+        moe_from_pretrained(deepseek, 1, layers_prefix="model.layers")
     with pytest.raises(FileNotFoundError, match="config.json"):
         moe_from_pretrained(tmp_path, 1)
     (tmp_path / "bin").mkdir()

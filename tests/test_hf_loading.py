@@ -270,6 +270,42 @@ def test_fp8_checkpoint(as_torch):
     np.testing.assert_allclose(dense(x), hf_forward(cfg, dequantized, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("inter", [200, 192])
+def test_fp8_checkpoint_with_i_not_a_multiple_of_128_dequantizes_each_half(inter):
+    """Gate and up are block-scaled separately; where I is not a multiple of 128 their joined
+    scales do not tile the joined [2I, H] weight: at I=200 the up half used to take the wrong
+    scales silently (0.36 off), at I=192 a valid checkpoint was refused."""
+    cfg = make_config("deepseek_v3", hidden=128, inter=inter, n_shared_experts=1)
+    fp8_sd = _fp8_checkpoint(make_state_dict(cfg), as_torch=False)
+    dequantized = {
+        k: oracles.dequant_per_block(v, fp8_sd[k + "_scale_inv"])
+        if k + "_scale_inv" in fp8_sd
+        else v
+        for k, v in fp8_sd.items()
+        if not k.endswith("_scale_inv")
+    }
+    dense = moe_from_hf(fp8_sd, PREFIX, cfg)
+    up = dequantized[PREFIX + "mlp.experts.1.up_proj.weight"]
+    # float32(code) * float32(scale), one rounding from the float64 oracle's product
+    np.testing.assert_allclose(np.asarray(dense.w1[...][1, inter:]), up, rtol=2**-24, atol=0)
+    x = np.random.default_rng(2).normal(size=(8, 128)).astype(np.float32)
+    np.testing.assert_allclose(dense(x), hf_forward(cfg, dequantized, x), rtol=1e-4, atol=1e-5)
+
+
+def test_experts_of_other_shapes_are_refused_naming_the_key():
+    """An expert's tensor shorter than expert 0's used to leave garbage rows (np.empty), one with
+    other columns was broadcast."""
+    cfg = make_config("qwen3_moe", hidden=64, inter=32)
+    for key, value in [
+        (PREFIX + "mlp.experts.2.up_proj.weight", lambda a: a[:2]),
+        (PREFIX + "mlp.experts.3.gate_proj.weight", lambda a: np.ones((a.shape[0], 1), a.dtype)),
+    ]:
+        sd = make_state_dict(cfg)
+        sd[key] = value(sd[key])
+        with pytest.raises(ValueError, match="all experts need the same shapes"):
+            hf_moe_params(sd, PREFIX)
+
+
 def test_fp8_scales_that_do_not_fit_the_weights_are_refused():
     cfg = make_config("deepseek_v3", hidden=128, inter=128, n_shared_experts=1)
     fp8_sd = _fp8_checkpoint(make_state_dict(cfg), as_torch=False)
