@@ -185,7 +185,7 @@ def check_ll(
 
 def dispatch_topk_ids(topk_ids: jax.Array, *, num_experts: int) -> jax.Array:
     """int32[T, k] ids for DeepEP: ids outside [0, E) become -1 (DeepEP's "no expert")."""
-    ids = topk_ids.astype(jnp.int32)
+    ids = layouts.ids_as_int32(topk_ids)
     return jnp.where((ids >= 0) & (ids < num_experts), ids, -1)
 
 

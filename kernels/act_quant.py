@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax import quant
-from moe_jax.act_quant import ACT_QUANTS, GROUP_QUANTS
+from moe_jax.act_quant import ACT_QUANTS, GROUP_QUANTS, check_float_rows
 from moe_jax.activation import check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import _triton
 from moe_jax.registry import OpProblem
@@ -373,13 +373,6 @@ def _quantize_call(
     return q[:num_rows], scales[:num_rows]
 
 
-def _check_float_rows(x: jax.Array, name: str, multiple: int) -> None:
-    if x.ndim != 2 or x.shape[1] % multiple:
-        raise ValueError(f"{name}.shape={x.shape} but [M, C] with C a multiple of {multiple}")
-    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"{name}.dtype={x.dtype} but bfloat16, float16 or float32 is needed")
-
-
 def group_quant(
     x: jax.Array,
     *,
@@ -398,7 +391,7 @@ def group_quant(
     Returns:
       (q float8_e4m3fn[M, H], scales float32[M, H // group_size]).
     """
-    _check_float_rows(x, "x", group_size)
+    check_float_rows(x, "x", group_size=group_size)
     num_rows, hidden = x.shape
     num_groups = hidden // group_size
     if num_rows == 0:
@@ -452,7 +445,7 @@ def act_and_quant(
             f"lower erf); use one of {COMPILED_ACTIVATIONS} or the XLA path "
             "(moe_jax.activation.act_and_mul + moe_jax.quant.per_token_group_quant_fp8)"
         )
-    _check_float_rows(h, "h", 2 * group_size)
+    check_float_rows(h, "h", group_size=group_size, columns_per_group=2)
     num_rows, two_i = h.shape
     if expert_ids is not None and (
         expert_ids.shape != (num_rows,) or not jnp.issubdtype(expert_ids.dtype, jnp.integer)

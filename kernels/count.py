@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from moe_jax import layouts
 from moe_jax.kernels import _triton
 from moe_jax.permute import COUNTS
 
@@ -81,7 +82,7 @@ def _count_kernel(
         # Experts past num_local_experts are never stored; ids there must not count.
         ids = jnp.where((ids >= 0) & (ids < num_local_experts), ids, -1)
         hits = (ids[:, None] == experts[None, :]).astype(jnp.int32)
-        return acc + jnp.sum(hits, axis=0)
+        return acc + jnp.sum(hits, axis=0, dtype=jnp.int32)
 
     counts = jax.lax.fori_loop(
         0, pl.cdiv(num_pairs, block_p), step, jnp.zeros((block_e,), jnp.int32)
@@ -140,12 +141,12 @@ def count_expert_num_tokens(
         num_local_experts=num_local_experts,
         num_global_experts=0 if expert_map is None else expert_map.shape[0],
     )
-    operands = [topk_ids.astype(jnp.int32).reshape(-1)]
+    operands = [layouts.ids_as_int32(topk_ids).reshape(-1)]
     if expert_map is None:
         kernel = functools.partial(_mapless_kernel, **static)
     else:
         kernel = functools.partial(_count_kernel, **static)
-        operands.append(expert_map.astype(jnp.int32))
+        operands.append(layouts.ids_as_int32(expert_map))
     with _triton.quiet_triton_deprecation():
         return pl.pallas_call(
             kernel,

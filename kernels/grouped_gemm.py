@@ -283,10 +283,7 @@ def check_operands(x, w, expert_ids, x_scales, w_scales, alignment) -> bool:
     """Checks a contiguous-layout GEMM's operands (shapes, dtypes, scales, a 16-row multiple
     alignment), naming the one at fault; True for FP8 operands with block scales."""
     pair = (jnp.dtype(x.dtype).name, jnp.dtype(w.dtype).name)
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"{x.shape=} {w.shape=}: need x [M, K] and w [E, N, K] with one K")
-    if expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-        raise ValueError(f"{x.shape=} but {expert_ids.shape=} {expert_ids.dtype=}: need int[M]")
+    grouped_gemm.check_contiguous_operands(x, w, expert_ids, x_scales, w_scales)
     if not isinstance(alignment, int) or alignment < MIN_BLOCK or alignment % MIN_BLOCK:
         raise ValueError(f"{alignment=} but a positive multiple of {MIN_BLOCK} rows is needed")
     is_fp8 = pair == ("float8_e4m3fn", "float8_e4m3fn")
@@ -298,15 +295,8 @@ def check_operands(x, w, expert_ids, x_scales, w_scales, alignment) -> bool:
         return False
     if x_scales is None or w_scales is None:
         raise ValueError("FP8 operands need x_scales and w_scales")
-    num_experts, n, k = w.shape
-    groups = (n // SCALE_BLOCK, k // SCALE_BLOCK)
-    if n % SCALE_BLOCK or k % SCALE_BLOCK:
+    if w.shape[1] % SCALE_BLOCK or w.shape[2] % SCALE_BLOCK:  # the scales' shapes are checked
         raise ValueError(f"{w.shape=}: FP8 needs N and K multiples of {SCALE_BLOCK}")
-    if x_scales.shape != (x.shape[0], groups[1]) or w_scales.shape != (num_experts, *groups):
-        raise ValueError(
-            f"{x_scales.shape=} {w_scales.shape=} but [M, K/128] and [E, N/128, K/128] are "
-            f"needed for {x.shape=} {w.shape=}"
-        )
     return True
 
 

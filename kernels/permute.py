@@ -31,10 +31,9 @@ from jax.experimental.pallas import triton as plt
 
 from moe_jax import layouts
 from moe_jax.kernels import _triton
-from moe_jax.permute import PERMUTES, ROUTING_METADATA, problem_for
+from moe_jax.permute import PERMUTES, ROUTING_METADATA, check_permute_args, problem_for
 from moe_jax.registry import AUTO
 
-_ROW_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 # Copies move bits: each row dtype travels as the unsigned integer of its width.
 _BITS_DTYPE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -217,30 +216,6 @@ def _gather_rows(
     return out[0], out[1].T if is_scales_group_major else out[1]
 
 
-def _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment):
-    if x.ndim != 2 or x.dtype not in _ROW_DTYPES:
-        raise TypeError(
-            f"{x.shape=} {x.dtype=} but x must be [T, H] in bf16, float16, float32 or float8_e4m3fn"
-        )
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{x.shape=} but {topk_ids.shape=}: topk_ids must be [T, k], T as in x")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"{topk_ids.dtype=} but an integer dtype is needed")
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{num_experts=} but a positive int is needed")
-    if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"{alignment=} but a positive int is needed")
-    if x_scales is not None:
-        if x_scales.ndim != 2 or x_scales.shape[0] != x.shape[0]:
-            raise ValueError(f"{x.shape=} but {x_scales.shape=}: x_scales must be [T, G]")
-        if x_scales.dtype != jnp.float32:
-            raise TypeError(f"{x_scales.dtype=} but float32 scales are needed")
-    if expert_map is not None and (
-        expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer)
-    ):
-        raise TypeError(f"{expert_map.shape=} {expert_map.dtype=} but int[E_global] is needed")
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -292,7 +267,7 @@ def permute(
       >>> lay.expert_ids.tolist(), lay.inverse.tolist(), lay.rows[4].tolist()
       ([0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], [[4, 0], [5, 6]], [0.0, 1.0])
     """
-    _check_inputs(x, topk_ids, num_experts, x_scales, expert_map, alignment)
+    check_permute_args(x, topk_ids, num_experts, x_scales, expert_map, alignment)
     num_tokens, topk = topk_ids.shape
     num_rows = layouts.contiguous_num_rows(num_tokens, topk, num_experts, alignment)
     if num_tokens * topk == 0:  # nothing to route: the layout has no rows

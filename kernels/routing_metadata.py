@@ -158,7 +158,10 @@ def _histogram(ids_ref, hist_ref, chunk, *, block_p, block_c, experts, **ids_kw)
         return hits + (ids[:, None] == experts[None, :]).astype(jnp.int32)
 
     hits = _steps(block_c // block_p, step, jnp.zeros((block_p, experts.shape[0]), jnp.int32))
-    plt.store(hist_ref.at[chunk + jnp.zeros_like(experts), experts], jnp.sum(hits, axis=0))
+    plt.store(
+        hist_ref.at[chunk + jnp.zeros_like(experts), experts],
+        jnp.sum(hits, axis=0, dtype=jnp.int32),
+    )
 
 
 def _wait_for_histograms(counters_ref, num_chunks: int) -> None:
@@ -191,12 +194,12 @@ def _segments(hist_ref, chunk, *, block_r, num_chunks, experts, alignment):
 
     zeros = jnp.zeros((block_r, experts.shape[0]), jnp.int32)
     total, before = _steps(pl.cdiv(num_chunks, block_r), step, (zeros, zeros))
-    counts = jnp.sum(total, axis=0)
+    counts = jnp.sum(total, axis=0, dtype=jnp.int32)
     # counts >= 0, so truncating division rounds up as a floor division would.
     padded = jax.lax.div(counts + (alignment - 1), jnp.int32(alignment)) * alignment
     is_before = experts[None, :] < experts[:, None]  # [e, f]: f comes before e
-    starts = jnp.sum(jnp.where(is_before, padded[None, :], 0), axis=1)
-    return counts, jnp.sum(before, axis=0), starts, starts + padded
+    starts = jnp.sum(jnp.where(is_before, padded[None, :], 0), axis=1, dtype=jnp.int32)
+    return counts, jnp.sum(before, axis=0, dtype=jnp.int32), starts, starts + padded
 
 
 def _place_pairs(
@@ -223,8 +226,10 @@ def _place_pairs(
         pairs = chunk * block_c + i * block_p + lanes
         ids = _load_ids(ids_ref, pairs, **ids_kw)
         hits = (ids[:, None] == experts[None, :]).astype(jnp.int32)  # [block_p, E_pad]
-        offset = jnp.sum(hits * offsets[None, :], axis=1)
-        rank = jnp.sum(((ids[:, None] == ids[None, :]) & is_earlier_lane).astype(jnp.int32), 1)
+        offset = jnp.sum(hits * offsets[None, :], axis=1, dtype=jnp.int32)
+        rank = jnp.sum(
+            ((ids[:, None] == ids[None, :]) & is_earlier_lane).astype(jnp.int32), 1, dtype=jnp.int32
+        )
         is_valid = ids >= 0
         inverse = jnp.where(is_valid, offset + rank, -1)
         plt.store(inverse_ref.at[pairs], inverse, mask=pairs < ids_kw["num_pairs"])
@@ -233,7 +238,7 @@ def _place_pairs(
         rows = jnp.where(is_valid, inverse, num_rows + lanes)
         plt.store(source_ref.at[rows], jax.lax.div(pairs, jnp.int32(topk)), mask=is_valid)
         plt.store(expert_ids_ref.at[rows], ids, mask=is_valid)
-        return offsets + jnp.sum(hits, axis=0)
+        return offsets + jnp.sum(hits, axis=0, dtype=jnp.int32)
 
     _steps(block_c // block_p, step, offsets)
 
@@ -280,8 +285,8 @@ def _mark_padding(
         mine = chunk * per_chunk + i * block_x + expert_lanes  # [block_x]
         is_mine = (mine < (chunk + 1) * per_chunk) & (mine < num_experts)
         pick = experts[None, :] == mine[:, None]  # [block_x, E_pad]
-        first = jnp.sum(jnp.where(pick, pad_end[None, :], 0), axis=1)
-        end = jnp.sum(jnp.where(pick, ends[None, :], 0), axis=1)
+        first = jnp.sum(jnp.where(pick, pad_end[None, :], 0), axis=1, dtype=jnp.int32)
+        end = jnp.sum(jnp.where(pick, ends[None, :], 0), axis=1, dtype=jnp.int32)
 
         def rows_step(j, carry):
             rows = first[:, None] + j * block_a + row_lanes[None, :]  # [block_x, block_a]

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax.kernels import _triton
-from moe_jax.permute import UNPERMUTES
+from moe_jax.permute import UNPERMUTES, check_unpermute_args
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,18 +122,6 @@ def _weightless_kernel(inverse_ref, y_ref, out_ref, **kwargs):
     _unpermute_kernel(inverse_ref, None, y_ref, out_ref, **kwargs)
 
 
-def _check_inputs(y, inverse, topk_weights):
-    if y.ndim != 2 or not jnp.issubdtype(y.dtype, jnp.floating):
-        raise TypeError(f"{y.shape=} {y.dtype=} but y must be a float [M, H] array")
-    if inverse.ndim != 2 or inverse.dtype != jnp.int32:
-        raise TypeError(f"{inverse.shape=} {inverse.dtype=} but int32[T, k] is needed")
-    if topk_weights is not None:
-        if topk_weights.shape != inverse.shape:
-            raise ValueError(f"{topk_weights.shape=} but {inverse.shape=}: both are [T, k]")
-        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-            raise TypeError(f"{topk_weights.dtype=} but a float dtype is needed")
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def unpermute(
     y: jax.Array,
@@ -167,7 +155,7 @@ def unpermute(
       ...           jnp.array([[0.5, 2.0], [1.0, -1.0]]), interpret=True).tolist()
       [[2.0, 4.5], [-2.0, -3.0]]
     """
-    _check_inputs(y, inverse, topk_weights)
+    check_unpermute_args(y, inverse, topk_weights)
     out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
     num_tokens, topk = inverse.shape
     num_rows, hidden = y.shape

@@ -97,6 +97,19 @@ GROUP_QUANTS.register(FunctionImpl("xla", group_quant_reference))
 ACT_QUANTS.register(FunctionImpl("xla", act_and_quant_reference))
 
 
+def check_float_rows(x: jax.Array, name: str, *, group_size: int, columns_per_group: int = 1):
+    """Checks quantization input `name` (x or h): float rows [M, C] with C a multiple of
+    `columns_per_group` * `group_size` (2 for act*up's gate and up halves), and a positive
+    `group_size`; raises naming the one at fault."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} but a positive int is needed")
+    multiple = columns_per_group * group_size
+    if x.ndim != 2 or x.shape[1] % multiple:
+        raise ValueError(f"{name}.shape={x.shape} but [M, C] with C a multiple of {multiple}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"{name}.dtype={x.dtype} but bfloat16, float16 or float32 is needed")
+
+
 def group_quant(
     x: jax.Array, *, group_size: int = 128, impl: str = AUTO
 ) -> tuple[jax.Array, jax.Array]:
@@ -115,6 +128,7 @@ def group_quant(
       >>> float(s[0, 0] * 448)
       2.0
     """
+    check_float_rows(x, "x", group_size=group_size)
     problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
     chosen = GROUP_QUANTS.select(impl, problem)
     return without_gradient(lambda v: chosen(v, group_size=group_size))(x)
@@ -151,6 +165,9 @@ def act_and_quant(
     Raises:
       TypeError: when differentiated (see NO_GRADIENT_MESSAGE).
     """
+    check_float_rows(h, "h", group_size=group_size, columns_per_group=2)
+    if expert_ids is not None and expert_ids.shape != (h.shape[0],):
+        raise ValueError(f"expert_ids.shape={expert_ids.shape} but [M={h.shape[0]}] is needed")
     problem = OpProblem(
         platform=current_platform(), dtype=jnp.dtype(h.dtype).name, activation=activation
     )

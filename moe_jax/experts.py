@@ -334,6 +334,11 @@ class ContiguousExperts(Experts):
     fused_act_quant: str | None = None
 
     def __post_init__(self):
+        if not isinstance(self.permute_impl, str):
+            raise TypeError(
+                f"ContiguousExperts(permute_impl={self.permute_impl!r}) names the permute and the "
+                'weighted gather at once: pass a name ("auto", "xla", "pallas", ...)'
+            )
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(
                 f"ContiguousExperts(recompute={self.recompute!r}): choose from "

@@ -25,12 +25,14 @@ from moe_jax import quant
 from moe_jax.activation import act_and_mul, check_activation
 from moe_jax.experts import Experts, resolve_experts
 from moe_jax.fused_moe import fused_moe
-from moe_jax.routing import SCORING_FUNCS, fused_topk, grouped_topk
+from moe_jax.routing import SCORING_FUNCS, fused_topk, grouped_topk, require_int
 
 # Expert weights are NT ([..., out, in]): fan-in is the last axis, the first axis is the expert.
 default_kernel_init = initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
 default_router_init = initializers.lecun_normal()  # router kernel [H, E], as nnx.Linear's
 default_bias_init = initializers.zeros_init()
+# What `dtype`, `param_dtype` and the tokens may be (FP8 weights come from `quant_config`).
+COMPUTE_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,9 @@ class RouterConfig:
                 f"num_expert_group={self.num_expert_group} and topk_group={self.topk_group}: "
                 "set both for grouped routing, or neither"
             )
+        for name in ("num_expert_group", "topk_group"):
+            if getattr(self, name) is not None:
+                require_int(name, getattr(self, name))
         if self.num_expert_group is not None and self.num_expert_group <= 0:
             raise ValueError(f"num_expert_group={self.num_expert_group} must be positive")
         if self.use_correction_bias and not self.is_grouped:
@@ -109,9 +114,11 @@ class MoE(nnx.Module):
       quant_config: `quant.Fp8BlockQuant()` stores the expert weights (routed and shared) as
         float8_e4m3fn with float32 128x128 block scales; None keeps them in `param_dtype`.
         H, I (and n * I) must be multiples of 128. See also `MoE.quantize`.
-      dtype: compute dtype of the experts (None: the result type of x and the float params).
+      dtype: compute dtype of the experts, bfloat16, float16 or float32 (None: the result type
+        of x and the float params).
         The router always computes in float32.
-      param_dtype: dtype of the float params (float32 default); the router stays in it too.
+      param_dtype: dtype of the float params, bfloat16, float16 or float32 (default); the router
+        stays in it too.
       kernel_init: initializer of w1, w2 and the shared weights ([..., out, in] shapes).
       router_init: initializer of the router kernel [H, E].
       bias_init: initializer of the correction bias [E].
@@ -158,11 +165,11 @@ class MoE(nnx.Module):
             ("intermediate_size", intermediate_size),
             ("num_experts", num_experts),
         ):
-            if value <= 0:
+            if require_int(name, value) <= 0:
                 raise ValueError(f"{name}={value} must be positive")
-        if not 1 <= topk <= num_experts:
+        if not 1 <= require_int("topk", topk) <= num_experts:
             raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}]")
-        if num_shared_experts < 0:
+        if require_int("num_shared_experts", num_shared_experts) < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
         if has_shared_expert_gate and not num_shared_experts:
             raise ValueError(
@@ -195,6 +202,16 @@ class MoE(nnx.Module):
                     f"num_experts / num_expert_group = {num_experts // groups} < 2"
                 )
         check_activation(activation)
+        if dtype is not None and jnp.dtype(dtype) not in COMPUTE_DTYPES:
+            raise TypeError(
+                f"dtype={jnp.dtype(dtype)} but the experts compute in one of "
+                f"{[d.name for d in COMPUTE_DTYPES]} (or None: inferred from x and the params)"
+            )
+        if jnp.dtype(param_dtype) not in COMPUTE_DTYPES:
+            raise TypeError(
+                f"param_dtype={jnp.dtype(param_dtype)} but one of "
+                f"{[d.name for d in COMPUTE_DTYPES]} is needed (FP8 weights: quant_config=)"
+            )
 
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -318,10 +335,10 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the layer to x [..., H]; returns [..., H] in the compute dtype."""
         x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == quant.FP8_DTYPE:
+        if x.dtype not in COMPUTE_DTYPES:
             raise TypeError(
                 f"x.dtype={x.dtype} but bfloat16, float16 or float32 tokens are needed "
-                "(cast integer inputs, e.g. x.astype(jnp.float32))"
+                "(cast other inputs, e.g. x.astype(jnp.float32))"
             )
         if x.ndim < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x.shape={x.shape} but [..., H={self.hidden_size}] is needed")

@@ -40,7 +40,8 @@ def fused_moe(
       topk_ids: int[T, k] expert ids (global ids when `expert_map` is given).
       activation: "silu" or "gelu" (applied to the gate half).
       apply_router_weight_on_input: scale x by its weight before the experts (top-1 only).
-      global_num_experts: E_global; checked against `expert_map` when both are given.
+      global_num_experts: E_global, or None; checked against `expert_map`, or equal to E without
+        one.
       expert_map: int[E_global] local index of each global expert, -1 where held elsewhere;
         E_global >= E. Ids at or past E_global (which the map does not cover) contribute nothing.
       w1_scale: float32[E, 2I/128, H/128] block scales of FP8 w1; only with FP8 weights (scales

@@ -241,6 +241,29 @@ GEMMS: Registry[GroupedGemm] = Registry(
 )
 
 
+def check_contiguous_operands(x, w, expert_ids, x_scales, w_scales) -> None:
+    """The shapes every backend's `contiguous` takes, naming the argument at fault: x [M, K],
+    w [E, N, K], expert_ids int[M], and scales where given: x_scales [M, ceil(K/128)], w_scales
+    [E, ceil(N/128), ceil(K/128)]. Backends add their own rules (dtypes, multiples)."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"{x.shape=} {w.shape=}: need x [M, K] and w [E, N, K] with one K")
+    if expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"{x.shape=} but {expert_ids.shape=} {expert_ids.dtype=}: need int[M]")
+    block_n, block_k = quant.DEFAULT_BLOCK_SHAPE
+    num_experts, n, k = w.shape
+    if x_scales is not None and x_scales.shape != (x.shape[0], -(-k // block_k)):
+        raise ValueError(
+            f"{x_scales.shape=} but [M, ceil(K/{block_k})] = {(x.shape[0], -(-k // block_k))} "
+            f"is needed for {x.shape=}"
+        )
+    w_groups = (num_experts, -(-n // block_n), -(-k // block_k))
+    if w_scales is not None and w_scales.shape != w_groups:
+        raise ValueError(
+            f"{w_scales.shape=} but [E, ceil(N/{block_n}), ceil(K/{block_k})] = {w_groups} is "
+            f"needed for {w.shape=}"
+        )
+
+
 def dequant_rows(x: jax.Array, x_scales: jax.Array | None) -> jax.Array:
     """float32 view of GEMM activations (FP8 rows times their per-group scales)."""
     if x.dtype == quant.FP8_DTYPE:
@@ -312,6 +335,12 @@ class XlaGemm(GroupedGemm):
     def contiguous(
         self, x, w, expert_ids, expert_ends, *, x_scales=None, w_scales=None, alignment, out_dtype
     ):
+        check_contiguous_operands(x, w, expert_ids, x_scales, w_scales)
+        if not isinstance(alignment, int) or alignment < 1 or x.shape[0] % alignment:
+            raise ValueError(
+                f"{alignment=} but x.shape={x.shape}: the layout's rows M must be a multiple of "
+                "a positive alignment (its segments' multiple)"
+            )
         a, b = dequant_rows(x, x_scales), dequant_weights(w, w_scales)
         compute = jnp.promote_types(a.dtype, b.dtype)
         a, b = a.astype(compute), b.astype(compute)

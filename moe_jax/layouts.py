@@ -36,6 +36,24 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def ids_as_int32(ids: jax.Array) -> jax.Array:
+    """`ids` (any integer dtype: expert ids or an expert map) as int32, where a value int32 cannot
+    hold becomes -1 ("no expert") instead of wrapping: with `jax_enable_x64`, the int64 id
+    2**32 + 1 would otherwise become expert 1.
+
+    Example:
+      >>> ids_as_int32(jnp.array([3, -1], jnp.int16)).tolist()
+      [3, -1]
+    """
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"ids.dtype={ids.dtype} but an integer dtype is needed")
+    info = jnp.iinfo(ids.dtype)
+    int32 = jnp.iinfo(jnp.int32)
+    if info.min < int32.min or info.max > int32.max:
+        ids = jnp.where((ids >= int32.min) & (ids <= int32.max), ids, -1)
+    return ids.astype(jnp.int32)
+
+
 def map_expert_ids(
     topk_ids: jax.Array, *, num_experts: int, expert_map: jax.Array | None = None
 ) -> jax.Array:
@@ -55,13 +73,11 @@ def map_expert_ids(
       ...                expert_map=jnp.array([-1, -1, -1, 1])).tolist()
       [[-1, 1, -1]]
     """
-    ids = topk_ids.astype(jnp.int32)
+    ids = ids_as_int32(topk_ids)
     if expert_map is not None:
         num_global = expert_map.shape[0]
         in_range = (ids >= 0) & (ids < num_global)
-        ids = jnp.where(
-            in_range, expert_map.astype(jnp.int32)[jnp.clip(ids, 0, num_global - 1)], -1
-        )
+        ids = jnp.where(in_range, ids_as_int32(expert_map)[jnp.clip(ids, 0, num_global - 1)], -1)
     return jnp.where((ids >= 0) & (ids < num_experts), ids, -1)
 
 

@@ -99,6 +99,50 @@ COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))
 ROUTING_METADATA.register(FunctionImpl("xla", layouts.routing_metadata))
 
 
+# The dtypes `permute` moves (FP8 rows carry their scales along).
+_ROW_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)))
+
+
+def check_permute_args(x, topk_ids, num_experts, x_scales, expert_map, alignment) -> None:
+    """`permute`'s arguments (every implementation's): raises TypeError/ValueError naming the
+    one at fault."""
+    if x.ndim != 2 or x.dtype not in _ROW_DTYPES:
+        raise TypeError(
+            f"{x.shape=} {x.dtype=} but x must be [T, H] in bf16, float16, float32 or float8_e4m3fn"
+        )
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{x.shape=} but {topk_ids.shape=}: topk_ids must be [T, k], T as in x")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"{topk_ids.dtype=} but an integer dtype is needed")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{num_experts=} but a positive int is needed")
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{alignment=} but a positive int is needed")
+    if x_scales is not None:
+        if x_scales.ndim != 2 or x_scales.shape[0] != x.shape[0]:
+            raise ValueError(f"{x.shape=} but {x_scales.shape=}: x_scales must be [T, G]")
+        if x_scales.dtype != jnp.float32:
+            raise TypeError(f"{x_scales.dtype=} but float32 scales are needed")
+    if expert_map is not None and (
+        expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer)
+    ):
+        raise TypeError(f"{expert_map.shape=} {expert_map.dtype=} but int[E_global] is needed")
+
+
+def check_unpermute_args(y, inverse, topk_weights) -> None:
+    """`unpermute`'s arguments (every implementation's): raises TypeError/ValueError naming the
+    one at fault."""
+    if y.ndim != 2 or not jnp.issubdtype(y.dtype, jnp.floating):
+        raise TypeError(f"{y.shape=} {y.dtype=} but y must be a float [M, H] array")
+    if inverse.ndim != 2 or inverse.dtype != jnp.int32:
+        raise TypeError(f"{inverse.shape=} {inverse.dtype=} but int32[T, k] is needed")
+    if topk_weights is not None:
+        if topk_weights.shape != inverse.shape:
+            raise ValueError(f"{topk_weights.shape=} but {inverse.shape=}: both are [T, k]")
+        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+            raise TypeError(f"{topk_weights.dtype=} but a float dtype is needed")
+
+
 def problem_for(x: jax.Array) -> OpProblem:
     """The `OpProblem` of an op whose main operand is `x`, on the default backend."""
     return OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
@@ -133,7 +177,8 @@ def permute(
         skip writing them (they are then unspecified: the Pallas kernel leaves them as the
         buffer held them). Only for FP8 rows, which are not differentiated: a float layout feeds
         the weight gradient, which sums whole segments, padding rows included.
-      impl: "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
+      impl: "auto", "xla", "pallas", "pallas_interpret" or a permute implementation object;
+        the backward's unpermute is the one of the same name ("auto" where none has it).
 
     Returns:
       `moe_jax.layouts.ContiguousLayout`.
@@ -146,8 +191,9 @@ def permute(
       >>> lay.expert_ids.tolist()
       [1, 1]
     """
+    check_permute_args(x, topk_ids, num_experts, x_scales, expert_map, alignment)
     chosen = PERMUTES.select(impl, problem_for(x))
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float8_e4m3fn:
+    if x.dtype == jnp.float8_e4m3fn:
         return chosen(
             x,
             topk_ids,
@@ -164,7 +210,10 @@ def permute(
             "padding rows unwritten; float rows feed the weight gradient, which sums whole "
             "segments. Drop the argument."
         )
-    unpermute_impl = UNPERMUTES.select(impl, problem_for(x))
+    unpermute_name = impl if isinstance(impl, str) else getattr(impl, "name", AUTO)
+    if unpermute_name not in UNPERMUTES.names():
+        unpermute_name = AUTO
+    unpermute_impl = UNPERMUTES.select(unpermute_name, problem_for(x))
     statics = (chosen, unpermute_impl, num_experts, alignment, jnp.dtype(x.dtype))
     return _permute_vjp(statics, x, topk_ids, x_scales, expert_map)
 
@@ -190,7 +239,10 @@ def _permute_fwd(statics, x, topk_ids, x_scales, expert_map):
 def _permute_bwd(statics, inverse, cotangent):
     _, unpermute_impl, _, _, x_dtype = statics
     dx = unpermute_impl(cotangent.rows, inverse, None, out_dtype=x_dtype)
-    return dx, None, None, None  # scales travel with FP8 rows only, which are not differentiated
+    d_scales = None
+    if cotangent.row_scales is not None:  # scales given with float rows: [M, G] -> [T, G]
+        d_scales = layouts.unpermute_reference(cotangent.row_scales, inverse, None)
+    return dx, None, d_scales, None
 
 
 _permute_vjp.defvjp(_permute_fwd, _permute_bwd)
@@ -216,8 +268,9 @@ def unpermute(
     Returns:
       [T, H] in `out_dtype`.
     """
+    check_unpermute_args(y, inverse, topk_weights)
     chosen = UNPERMUTES.select(impl, problem_for(y))
-    if not jnp.issubdtype(y.dtype, jnp.floating) or y.dtype == jnp.float8_e4m3fn:
+    if y.dtype == jnp.float8_e4m3fn:
         return chosen(y, inverse, topk_weights, out_dtype=out_dtype)
     out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
     return _unpermute_vjp((chosen, out_dtype), y, inverse, topk_weights)

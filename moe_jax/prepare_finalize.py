@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax import act_quant, quant
+from moe_jax import act_quant, layouts, quant
 from moe_jax._pytree import pytree_dataclass
 
 
@@ -109,7 +109,7 @@ class NoEPPrepareFinalize(PrepareFinalize):
                 x, group_size=quant_config.group_size, impl=self.quant_impl
             )
         return PreparedTokens(
-            x=x, x_scales=x_scales, topk_ids=topk_ids.astype(jnp.int32), topk_weights=weights
+            x=x, x_scales=x_scales, topk_ids=layouts.ids_as_int32(topk_ids), topk_weights=weights
         )
 
     def finalize(self, expert_output, prepared, weight_and_reduce, *, out_dtype):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from moe_jax import quant
 from moe_jax.activation import act_and_mul
 from moe_jax.layouts import map_expert_ids
+from moe_jax.moe_inputs import check_moe_inputs
 
 
 def moe_reference(
@@ -27,7 +28,20 @@ def moe_reference(
     w2_scale: jax.Array | None = None,
     apply_router_weight_on_input: bool = False,
 ) -> jax.Array:
-    """float32[T, H] MoE output; arguments as `moe_jax.fused_moe`."""
+    """float32[T, H] MoE output; arguments as `moe_jax.fused_moe`, and checked as it checks them."""
+    check_moe_inputs(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        expert_map=expert_map,
+        global_num_experts=None,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        activation=activation,
+    )
     x = hidden_states.astype(jnp.float32)
     weights = topk_weights.astype(jnp.float32)
     if w1.dtype == quant.FP8_DTYPE:

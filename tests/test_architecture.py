@@ -29,6 +29,7 @@ LAYERS = {
             "layouts",
             "activation",
             "routing",
+            "moe_inputs",
             "reference",
         ),
         FOUNDATIONS,

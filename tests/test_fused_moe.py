@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 
 import jax
@@ -17,6 +18,7 @@ import oracles
 import pytest
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, experts_names, fused_moe
+from moe_jax.reference import moe_reference
 
 pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
 
@@ -491,6 +493,9 @@ def _good(dtype="float32"):
     }
 
 
+POSITIONAL = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
+
+
 def _call(args: dict, **kwargs):
     args = {"experts": "xla", **args, **kwargs}
     return fused_moe(
@@ -572,6 +577,12 @@ BAD_INPUTS = [
         id="map_vs_global",
     ),
     pytest.param(
+        dict(global_num_experts=1), ValueError, r"global_num_experts=1", id="global_without_map"
+    ),
+    pytest.param(
+        dict(global_num_experts=4.0), TypeError, r"global_num_experts=4.0", id="global_float"
+    ),
+    pytest.param(
         dict(expert_map=jnp.zeros((6,), jnp.float32)), ValueError, r"expert_map", id="map_float"
     ),
     pytest.param(
@@ -593,6 +604,28 @@ BAD_INPUTS = [
 def test_bad_input_raises_naming_the_argument(change, error, match):
     with pytest.raises(error, match=match):
         _call(_good(), **change)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [p for p in BAD_INPUTS if set(p.values[0]) <= set(inspect.signature(moe_reference).parameters)],
+)
+def test_the_reference_checks_its_inputs_as_fused_moe_does(change, error, match):
+    """`moe_reference` takes `fused_moe`'s arguments and refuses the same bad ones (before, a
+    [T, 2] weights array with [T, 1] ids was broadcast silently)."""
+    args = {**_good(), **change}
+    positional = [args.pop(k) for k in POSITIONAL]
+    with pytest.raises(error, match=match):
+        moe_reference(*positional, **args)
+
+
+def test_contiguous_experts_take_the_permute_by_name():
+    """One name picks both the permute and its weighted gather; an implementation object would
+    be one of the two, so it is refused at construction."""
+    from moe_jax import permute
+
+    with pytest.raises(TypeError, match=r"permute_impl=.*pass a name"):
+        ContiguousExperts(permute_impl=permute.PERMUTES.get("xla"))
 
 
 def test_numpy_inputs_equal_jax_inputs():

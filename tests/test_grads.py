@@ -435,3 +435,10 @@ def test_gpu_fp8_recipe_grads_match_float32_xla():
     args = _gpu_problem(32)
     grads = _gpu_grads(ContiguousExperts(recipe=Fp8Training()), *args)
     _assert_close(grads, _gpu_reference(*args), 8e-2)
+
+
+def test_act_and_mul_refuses_float64():
+    """float64 used to pass and run in float32 (2.7e-8 off a float64 loop) under a float64 dtype."""
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match=r"x\.dtype=float64"):
+            act_and_mul(jnp.ones((2, 4), jnp.float64))

@@ -23,6 +23,7 @@ import numpy as np
 import oracles
 import pytest
 
+from moe_jax import act_quant as act_quant_front
 from moe_jax import quant
 from moe_jax.act_quant import act_and_quant_reference, group_quant_reference
 from moe_jax.kernels.act_quant import (
@@ -305,6 +306,12 @@ def test_padding_blocks_are_skipped_and_used_rows_unchanged(impl):
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="multiple of 256"):
         act_and_quant(jnp.zeros((4, 200), jnp.bfloat16))
+    for impl in ("xla", "pallas_interpret"):  # the front checks, whichever implementation runs
+        with pytest.raises(ValueError, match=r"h\.shape=\(4, 192\).*multiple of 256"):
+            act_quant_front.act_and_quant(jnp.ones((4, 192)), impl=impl)
+        for group_size in (0, -128, 2.0):
+            with pytest.raises(ValueError, match=f"group_size={group_size}"):
+                act_quant_front.group_quant(jnp.ones((4, 256)), group_size=group_size, impl=impl)
     with pytest.raises(ValueError, match=r"x.shape=\(4, 200\)"):
         group_quant(jnp.zeros((4, 200), jnp.bfloat16))
     with pytest.raises(TypeError, match="h.dtype"):

@@ -214,3 +214,43 @@ def test_permute_rejects_bad_inputs(args, error, match):
     x, ids = kwargs.pop("x"), kwargs.pop("topk_ids")
     with pytest.raises(error, match=match):
         kernels.permute(x, ids, interpret=True, **kwargs)
+    with pytest.raises(error, match=match):  # the front checks for every implementation
+        permute_front.permute(x, ids, impl="xla", **kwargs)
+
+
+def test_an_implementation_object_differentiates_with_its_namesake_unpermute():
+    """`impl` may be an implementation object; its backward used to call that same object (a
+    permute) as the unpermute."""
+    ids = jnp.array([[0, 1], [1, 1]], jnp.int32)
+    for name in ("xla", "pallas_interpret"):
+        impl = permute_front.PERMUTES.get(name)
+        grad = jax.grad(
+            lambda x, impl=impl: permute_front.permute(
+                x, ids, num_experts=2, alignment=1, impl=impl
+            ).rows.sum()
+        )(jnp.ones((2, 64)))
+        np.testing.assert_array_equal(grad, np.full((2, 64), 2.0))
+
+
+def test_scales_given_with_float_rows_get_their_gradient():
+    """x_scales travel with the rows; with float rows the permute is differentiated, and the
+    scales' cotangent is summed back per token like the rows' (it used to be dropped: zeros)."""
+    ids = jnp.array([[0, 1], [1, -1], [2, 2]], jnp.int32)
+    num_rows = layouts.contiguous_num_rows(3, 2, 3, 2)
+    weights = jnp.arange(1.0, 1.0 + num_rows * 2).reshape(num_rows, 2)
+
+    def loss(scales):
+        lay = permute_front.permute(
+            jnp.ones((3, 256)), ids, num_experts=3, alignment=2, x_scales=scales
+        )
+        return jnp.sum(lay.row_scales * weights)
+
+    scales = jnp.full((3, 2), 2.0)
+    got = jax.grad(loss)(scales)
+    lay = permute_front.permute(jnp.ones((3, 256)), ids, num_experts=3, alignment=2)
+    inverse = np.asarray(lay.inverse)
+    want = np.zeros((3, 2))
+    for t, j in np.ndindex(inverse.shape):
+        if inverse[t, j] >= 0:
+            want[t] += np.asarray(weights)[inverse[t, j]]
+    np.testing.assert_array_equal(got, want)

@@ -19,6 +19,7 @@ import oracles
 import pytest
 
 from moe_jax import expert_rank, kernels, layouts
+from moe_jax import permute as permute_front
 from moe_jax.kernels.routing_metadata import RoutingMetadataConfig, heuristic_config
 
 IMPLS = [
@@ -217,3 +218,24 @@ def test_compiled_kernel_equals_xla_repeatedly(num_tokens, num_experts):
             np.testing.assert_array_equal(
                 getattr(g, name), getattr(want, name), err_msg=f"{name}, call {i}"
             )
+
+
+def test_kernels_trace_under_x64():
+    """With `jax_enable_x64` an int32 sum is int64 unless told otherwise: the metadata and count
+    kernels failed to trace ("Invalid dtype for swap"); their sums now name int32."""
+    ids = jnp.array([[1, 0], [1, 1], [-1, 5]], jnp.int32)
+    with jax.enable_x64(True):
+        got = permute_front.routing_metadata(
+            ids, num_experts=2, alignment=4, num_rows=12, impl="pallas_interpret"
+        )
+        want = permute_front.routing_metadata(
+            ids, num_experts=2, alignment=4, num_rows=12, impl="xla"
+        )
+        for name in ("inverse", "num_tokens_per_expert", "expert_ids", "source"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+        counts = permute_front.count_expert_num_tokens(ids, 2, impl="pallas_interpret")
+        np.testing.assert_array_equal(counts, [1, 3])
+        mapped = permute_front.count_expert_num_tokens(
+            ids, 1, expert_map=jnp.array([-1, 0], jnp.int32), impl="pallas_interpret"
+        )
+        np.testing.assert_array_equal(mapped, [3])

@@ -137,5 +137,7 @@ def test_unpermute_rejects_bad_inputs(args, error, match):
     kwargs.update(args)
     with pytest.raises(error, match=match):
         kernels.unpermute(kwargs["y"], kwargs["inverse"], kwargs["topk_weights"], interpret=True)
+    with pytest.raises(error, match=match):  # the front checks for every implementation
+        permute_front.unpermute(kwargs["y"], kwargs["inverse"], kwargs["topk_weights"], impl="xla")
     with pytest.raises(ValueError, match="block_t"):
         kernels.UnpermuteConfig(block_t=6)

@@ -384,3 +384,31 @@ def test_contiguous_destinations_picks_the_rank_method_by_size(monkeypatch):
     assert called == ["pairwise", "blocked", "sorted"]
     with pytest.raises(ValueError, match="unknown rank method"):
         layouts.contiguous_destinations(ids, num_experts=2, alignment=4, method="scan")
+
+
+def test_64_bit_ids_int32_cannot_hold_go_nowhere():
+    """Under `jax_enable_x64` the id 2**32 + 1 used to wrap to expert 1 in the cast to int32 (and
+    an expert_map entry the same way); now such ids count nowhere, as any id outside [0, E)."""
+    from moe_jax import fused_moe
+    from moe_jax.reference import moe_reference
+
+    with jax.enable_x64(True):
+        big = 2**32 + 1
+        ids = jnp.array([[big, 0], [-big, 1]], jnp.int64)
+        np.testing.assert_array_equal(layouts.ids_as_int32(ids), [[-1, 0], [-1, 1]])
+        np.testing.assert_array_equal(layouts.count_expert_num_tokens(ids, 2), [1, 1])
+        expert_map = jnp.array([big, 0], jnp.int64)
+        np.testing.assert_array_equal(
+            layouts.map_expert_ids(jnp.array([[0, 1]]), num_experts=2, expert_map=expert_map),
+            [[-1, 0]],
+        )
+        x = jnp.ones((1, 8), jnp.float32)
+        w1, w2 = jnp.ones((2, 4, 8), jnp.float32) / 8, jnp.ones((2, 8, 2), jnp.float32)
+        far = jnp.array([[big]], jnp.int64)
+        for experts in ("xla", "xla_masked"):
+            out = fused_moe(x, w1, w2, jnp.ones((1, 1), jnp.float32), far, experts=experts)
+            np.testing.assert_array_equal(out, np.zeros((1, 8)))
+        ref = moe_reference(x, w1, w2, jnp.ones((1, 1), jnp.float32), far)
+        np.testing.assert_array_equal(ref, np.zeros((1, 8)))
+    with pytest.raises(TypeError, match=r"ids\.dtype=float32"):
+        layouts.ids_as_int32(jnp.zeros((2,), jnp.float32))

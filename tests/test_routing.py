@@ -261,3 +261,34 @@ def test_grouped_topk_bad_input(kwargs, match):
     args = {"topk": 2, "renormalize": True, "num_expert_group": 4, "topk_group": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
         grouped_topk(jnp.ones((3, 8)), **args)
+
+
+@pytest.mark.parametrize(
+    "route,match",
+    [
+        pytest.param(lambda x: fused_topk(x, 2.0), r"topk=2\.0 must be an int", id="fused_k"),
+        pytest.param(
+            lambda x: grouped_topk(x, 2.0, True, 4, 2), r"topk=2\.0 must be an int", id="grouped_k"
+        ),
+        pytest.param(
+            lambda x: grouped_topk(x, 2, True, 4.0, 2),
+            r"num_expert_group=4\.0 must be an int",
+            id="groups",
+        ),
+        pytest.param(
+            lambda x: grouped_topk(x, 2, True, 4, True),
+            r"topk_group=True must be an int, not a bool",
+            id="kept_groups_bool",
+        ),
+    ],
+)
+def test_counts_must_be_ints_and_a_bad_one_leaves_later_calls_working(route, match):
+    """A float k used to reach `jax.lax.top_k` as a shape: an error naming no argument, and
+    every later valid call in the process failed the same way (JAX's cache kept the float)."""
+    logits = jax.random.normal(jax.random.key(0), (3, 8))
+    with pytest.raises(TypeError, match=match):
+        route(logits)
+    weights, ids = fused_topk(logits, 2)
+    assert ids.shape == (3, 2) and weights.shape == (3, 2)
+    assert grouped_topk(logits, 2, True, 4, 2)[1].shape == (3, 2)
+    assert fused_topk(logits, np.int64(2))[1].shape == (3, 2)  # NumPy integers are ints
