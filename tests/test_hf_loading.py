@@ -229,6 +229,17 @@ def _fp8_checkpoint(sd: dict, *, as_torch: bool) -> dict:
     return out
 
 
+def _dequantized(fp8_sd: dict) -> dict:
+    """The float64 weights an FP8 checkpoint (numpy) stands for: w * scale per 128x128 tile."""
+    return {
+        k: oracles.dequant_per_block(v, fp8_sd[k + "_scale_inv"])
+        if k + "_scale_inv" in fp8_sd
+        else v
+        for k, v in fp8_sd.items()
+        if not k.endswith("_scale_inv")
+    }
+
+
 @pytest.mark.parametrize("as_torch", [False, True])
 def test_fp8_checkpoint(as_torch):
     cfg = make_config("deepseek_v3", hidden=128, inter=128, n_shared_experts=1)
@@ -258,14 +269,7 @@ def test_fp8_checkpoint(as_torch):
     )
     # The float layer computes with exactly the checkpoint's weights: w * scale per 128x128 tile.
     # (The FP8 layer's own forward is fused_moe's, tested with the layer; on a CPU it is slow.)
-    stored = _fp8_checkpoint(sd, as_torch=False)
-    dequantized = {
-        k: oracles.dequant_per_block(v, stored[k + "_scale_inv"])
-        if k + "_scale_inv" in stored
-        else v
-        for k, v in stored.items()
-        if not k.endswith("_scale_inv")
-    }
+    dequantized = _dequantized(_fp8_checkpoint(sd, as_torch=False))
     x = np.random.default_rng(1).normal(size=(8, 128)).astype(np.float32)
     np.testing.assert_allclose(dense(x), hf_forward(cfg, dequantized, x), rtol=1e-4, atol=1e-5)
 
@@ -277,13 +281,7 @@ def test_fp8_checkpoint_with_i_not_a_multiple_of_128_dequantizes_each_half(inter
     scales silently (0.36 off), at I=192 a valid checkpoint was refused."""
     cfg = make_config("deepseek_v3", hidden=128, inter=inter, n_shared_experts=1)
     fp8_sd = _fp8_checkpoint(make_state_dict(cfg), as_torch=False)
-    dequantized = {
-        k: oracles.dequant_per_block(v, fp8_sd[k + "_scale_inv"])
-        if k + "_scale_inv" in fp8_sd
-        else v
-        for k, v in fp8_sd.items()
-        if not k.endswith("_scale_inv")
-    }
+    dequantized = _dequantized(fp8_sd)
     dense = moe_from_hf(fp8_sd, PREFIX, cfg)
     up = dequantized[PREFIX + "mlp.experts.1.up_proj.weight"]
     # float32(code) * float32(scale), one rounding from the float64 oracle's product
