@@ -76,7 +76,9 @@ class HFNaming:
 
 
 def to_numpy(value: Any) -> np.ndarray:
-    """A numpy array from a numpy/JAX array or a torch tensor (bf16 and fp8 via ml_dtypes)."""
+    """A numpy array from a numpy/JAX array or a torch tensor (bf16 and the FP8 dtypes via
+    ml_dtypes; float8_e8m0fnu is the power-of-two scale format of UE8M0 checkpoints, which
+    transformers 5 may hold in memory)."""
     if type(value).__module__.startswith("torch"):
         import torch
 
@@ -84,7 +86,10 @@ def to_numpy(value: Any) -> np.ndarray:
         views = {
             torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
             torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+            torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
         }
+        if hasattr(torch, "float8_e8m0fnu"):  # torch >= 2.7
+            views[torch.float8_e8m0fnu] = (torch.uint8, ml_dtypes.float8_e8m0fnu)
         if t.dtype in views:
             raw, dtype = views[t.dtype]
             return t.contiguous().view(raw).numpy().view(dtype)

@@ -274,6 +274,31 @@ def test_fp8_checkpoint(as_torch):
     np.testing.assert_allclose(dense(x), hf_forward(cfg, dequantized, x), rtol=1e-4, atol=1e-5)
 
 
+def test_ue8m0_scales_held_as_torch_float8_e8m0fnu_load_like_float32_ones():
+    """UE8M0 checkpoints (DeepSeek-V3.1's scale_fmt) store power-of-two scales; transformers 5
+    may hold them as torch.float8_e8m0fnu, which `to_numpy` could not convert."""
+    torch = pytest.importorskip("torch", reason="torch FP8 tensors need torch (extra 'torch')")
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip(f"torch {torch.__version__} has no float8_e8m0fnu")
+    cfg = make_config("deepseek_v3", hidden=128, inter=128, n_shared_experts=1)
+    fp8_sd = _fp8_checkpoint(make_state_dict(cfg), as_torch=False)
+    for k in [k for k in fp8_sd if k.endswith("_scale_inv")]:
+        fp8_sd[k] = np.exp2(np.round(np.log2(fp8_sd[k]))).astype(np.float32)
+    as_torch = {
+        k: torch.from_numpy(v).to(torch.float8_e8m0fnu)
+        if k.endswith("_scale_inv")
+        else torch.from_numpy(v.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+        if v.dtype == ml_dtypes.float8_e4m3fn
+        else torch.from_numpy(v.copy())
+        for k, v in fp8_sd.items()
+    }
+    got, want = hf_moe_params(as_torch, PREFIX), hf_moe_params(fp8_sd, PREFIX)
+    for name in want:
+        np.testing.assert_array_equal(
+            np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)
+        )
+
+
 @pytest.mark.parametrize("inter", [200, 192])
 def test_fp8_checkpoint_with_i_not_a_multiple_of_128_dequantizes_each_half(inter):
     """Gate and up are block-scaled separately; where I is not a multiple of 128 their joined
