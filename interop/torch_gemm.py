@@ -84,8 +84,6 @@ class TorchGemm(grouped_gemm.GroupedGemm):
             return f"torch is not installed: {bridge.TORCH_INSTALL_HINT}"
         if problem.platform == "gpu":
             dtypes = _GPU_DTYPES
-            if problem.k % 8 or problem.n % 8:
-                return f"{problem.k=} and {problem.n=} must be multiples of 8 (16-byte rows on GPU)"
         elif problem.platform == "cpu":
             dtypes = _CPU_DTYPES
         else:
@@ -93,6 +91,20 @@ class TorchGemm(grouped_gemm.GroupedGemm):
         for dtype in (problem.x_dtype, problem.w_dtype):
             if dtype not in dtypes:
                 return f"dtype {dtype} is not one of {dtypes} on {problem.platform}"
+        if problem.layout == "masked" and problem.platform == "cpu":  # torch.bmm: any row length
+            return None
+        # torch's grouped GEMM takes rows of whole 16-byte units on the CPU as on the GPU (and the
+        # GPU path keeps that rule for both layouts); FP8 operands reach it dequantized to bf16
+        # (GPU) or float32 (CPU)
+        itemsize = 2 if problem.platform == "gpu" else 4
+        for dtype in (problem.x_dtype, problem.w_dtype):
+            if dtype in ("bfloat16", "float16"):
+                itemsize = min(itemsize, 2)
+        if (problem.k * itemsize) % 16 or (problem.n * itemsize) % 16:
+            return (
+                f"{problem.k=} and {problem.n=}: torch's grouped GEMM needs rows of whole 16-byte "
+                f"units ({16 // itemsize} {'bf16' if itemsize == 2 else 'float32'} elements)"
+            )
         return None
 
     def contiguous(

@@ -9,6 +9,7 @@ backward) against a torchtitan-style torch step. The per-piece benchmarks run as
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -59,10 +60,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """Why --json or --plot cannot be written, checked before a run that may take minutes."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"--{flag} {path}: the folder {folder} does not exist; create it first"
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.decode and args.train:
-        print("--decode and --train are separate benchmarks: run one at a time", file=sys.stderr)
-        return 2
+        return _refuse("--decode and --train are separate benchmarks: run one at a time")
+    if args.iters < 1:
+        return _refuse(f"--iters {args.iters}: at least 1 timed call per variant is needed")
+    if (problem := _output_problem(args)) is not None:
+        return _refuse(problem)
     if args.train:
         if args.breakdown or args.tokens is not None:
             print("--breakdown and --tokens do not apply to --train", file=sys.stderr)
@@ -113,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         return _bench(args)
+    if args.tokens < 1:
+        return _refuse(f"--tokens {args.tokens}: the demo needs at least 1 token")
+    from moe_jax.experts import resolve_experts
+
+    try:
+        resolve_experts(args.experts)
+    except ValueError as e:
+        return _refuse(f"--experts {args.experts}: {e}")
     from moe_jax.cli.demo import run_demo_command
 
     return run_demo_command(tokens=args.tokens, experts=args.experts)

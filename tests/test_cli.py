@@ -174,7 +174,15 @@ def test_bench_decode_calls_the_decode_bench(monkeypatch, tmp_path):
             "unknown shape 'Z'; choose from ['A', 'B', 'small']",
         ),
         (["bench", "--train", "--variants", "nope"], "unknown variant 'nope'; choose from"),
-        (["bench", "--train", "--iters", "0"], "iters=0 but at least 1"),
+        (["bench", "--train", "--iters", "0"], "--iters 0: at least 1"),
+        # checked before any mode runs (the forward and decode benches crashed after measuring)
+        (["bench", "--iters", "0"], "--iters 0: at least 1"),
+        (["bench", "--decode", "--iters", "-1"], "--iters -1: at least 1"),
+        (["bench", "--json", "/nonexistent/d/b.json"], "the folder /nonexistent/d does not exist"),
+        (["bench", "--decode", "--plot", "/nonexistent/p.png"], "/nonexistent does not exist"),
+        (["bench", "--decode", "--tokens", "1", "--variants", "auto", "nope"], "--variants nope"),
+        (["demo", "--tokens", "0"], "--tokens 0: the demo needs at least 1 token"),
+        (["demo", "--experts", "bogus"], "--experts bogus: unknown experts 'bogus'"),
     ],
 )
 def test_bench_rejects_options_of_the_other_mode(argv, message, capsys):

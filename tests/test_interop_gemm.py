@@ -233,7 +233,7 @@ def test_torch_refusals(monkeypatch):
     _pretend_missing(monkeypatch, present=("torch",))  # the rules below the install check
     assert "float32" in backend.unsupported_reason(GPU_F32)
     odd = dataclasses.replace(GPU_F32, x_dtype="bfloat16", w_dtype="bfloat16", k=100)
-    assert "multiples of 8" in backend.unsupported_reason(odd)
+    assert "16-byte units (8 bf16 elements)" in backend.unsupported_reason(odd)
     tpu = dataclasses.replace(GPU_F32, platform="tpu")
     assert "tpu" in backend.unsupported_reason(tpu)
 
@@ -436,3 +436,26 @@ def test_scale_view_needs_no_transpose_kernel():
         same = dg.get_mn_major_tma_aligned_tensor(view)
         assert same.data_ptr() == view.data_ptr() and same.stride() == view.stride()
         np.testing.assert_array_equal(same.cpu().numpy(), np.asarray(s))
+
+
+@pytest.mark.parametrize(
+    "dtype, n, k, refused",
+    [
+        ("float32", 12, 6, True),  # GEMM2 of I=6: 24-byte rows
+        ("bfloat16", 16, 12, True),
+        ("float32", 12, 16, False),
+        ("bfloat16", 16, 8, False),
+    ],
+)
+def test_torch_backend_refuses_rows_of_partial_16_byte_units(dtype, n, k, refused):
+    """torch's grouped GEMM takes rows of whole 16-byte units on the CPU too: such a problem
+    used to be accepted and fail inside the callback ("strides should be multiple of 16 bytes")."""
+    from moe_jax.grouped_gemm import GEMMS, GemmProblem
+
+    problem = GemmProblem(
+        layout="contiguous", n=n, k=k, num_experts=2, num_pairs=4, x_dtype=dtype, w_dtype=dtype
+    )
+    reason = GEMMS.get("torch").unsupported_reason(problem)
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert "16-byte" in reason

@@ -30,7 +30,7 @@ import numpy as np
 from moe_jax import quant
 from moe_jax.activation import act_and_mul
 from moe_jax.cli.timing import rel_error, time_jax
-from moe_jax.experts import ContiguousExperts, ExpertWeights
+from moe_jax.experts import ContiguousExperts, ExpertWeights, resolve_experts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.routing import fused_topk
 
@@ -299,6 +299,12 @@ def run_decode_bench(
         print(f"tokens={token_counts} but positive ints are needed", file=sys.stderr)
         return 2
     variants = list(variants or VARIANTS)
+    for name in variants:  # an unknown name fails here, before any measurement
+        try:
+            resolve_experts(name)
+        except ValueError as e:
+            print(f"--variants {name}: {e}", file=sys.stderr)
+            return 2
     decode_shape = SHAPES[shape_name]
     weights = make_weights(decode_shape)
     rows = [
