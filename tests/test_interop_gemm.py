@@ -447,11 +447,12 @@ def test_scale_view_needs_no_transpose_kernel():
         ("bfloat16", 16, 8, False),
     ],
 )
-def test_torch_backend_refuses_rows_of_partial_16_byte_units(dtype, n, k, refused):
+def test_torch_backend_refuses_rows_of_partial_16_byte_units(monkeypatch, dtype, n, k, refused):
     """torch's grouped GEMM takes rows of whole 16-byte units on the CPU too: such a problem
     used to be accepted and fail inside the callback ("strides should be multiple of 16 bytes")."""
     from moe_jax.grouped_gemm import GEMMS, GemmProblem
 
+    _pretend_missing(monkeypatch, present=("torch",))  # the rules below the install check
     problem = GemmProblem(
         layout="contiguous", n=n, k=k, num_experts=2, num_pairs=4, x_dtype=dtype, w_dtype=dtype
     )
