@@ -30,6 +30,7 @@ from moe_jax.registry import (
     current_platform,
     pallas_then_xla,
 )
+from moe_jax.routing import require_int
 
 _KERNELS = "moe_jax.kernels.act_quant"
 
@@ -101,7 +102,7 @@ def check_float_rows(x: jax.Array, name: str, *, group_size: int, columns_per_gr
     """Checks quantization input `name` (x or h): float rows [M, C] with C a multiple of
     `columns_per_group` * `group_size` (2 for act*up's gate and up halves), and a positive
     `group_size`; raises naming the one at fault."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    if require_int("group_size", group_size) < 1:
         raise ValueError(f"group_size={group_size!r} but a positive int is needed")
     multiple = columns_per_group * group_size
     if x.ndim != 2 or x.shape[1] % multiple:

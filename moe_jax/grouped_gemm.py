@@ -249,18 +249,16 @@ def check_contiguous_operands(x, w, expert_ids, x_scales, w_scales) -> None:
         raise ValueError(f"{x.shape=} {w.shape=}: need x [M, K] and w [E, N, K] with one K")
     if expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"{x.shape=} but {expert_ids.shape=} {expert_ids.dtype=}: need int[M]")
-    block_n, block_k = quant.DEFAULT_BLOCK_SHAPE
-    num_experts, n, k = w.shape
-    if x_scales is not None and x_scales.shape != (x.shape[0], -(-k // block_k)):
+    w_groups = quant.block_scale_shape(w.shape)  # [E, ceil(N/128), ceil(K/128)]
+    if x_scales is not None and x_scales.shape != (x.shape[0], w_groups[-1]):
         raise ValueError(
-            f"{x_scales.shape=} but [M, ceil(K/{block_k})] = {(x.shape[0], -(-k // block_k))} "
-            f"is needed for {x.shape=}"
+            f"{x_scales.shape=} but [M, ceil(K/128)] = {(x.shape[0], w_groups[-1])} is needed "
+            f"for {x.shape=}"
         )
-    w_groups = (num_experts, -(-n // block_n), -(-k // block_k))
     if w_scales is not None and w_scales.shape != w_groups:
         raise ValueError(
-            f"{w_scales.shape=} but [E, ceil(N/{block_n}), ceil(K/{block_k})] = {w_groups} is "
-            f"needed for {w.shape=}"
+            f"{w_scales.shape=} but [E, ceil(N/128), ceil(K/128)] = {w_groups} is needed for "
+            f"{w.shape=}"
         )
 
 

@@ -38,7 +38,14 @@ from moe_jax import quant
 from moe_jax.flax_layer import MoE
 from moe_jax.hf_checkpoint import open_hf_layer, read_hf_config
 from moe_jax.hf_config import SUPPORTED_MODEL_TYPES, dense_layer_reason, moe_kwargs_from_hf_config
-from moe_jax.hf_weights import HF_NAMINGS, HFNaming, detect_hf_naming, hf_moe_params, to_numpy
+from moe_jax.hf_weights import (
+    HF_NAMINGS,
+    HFNaming,
+    dequantize_blocks,
+    detect_hf_naming,
+    hf_moe_params,
+    to_numpy,
+)
 
 __all__ = [
     "HF_NAMINGS",
@@ -74,24 +81,15 @@ def _layer_arrays(layer: MoE, params: dict[str, np.ndarray]) -> dict[str, np.nda
 
 
 def _dequantized(w: np.ndarray, scale: np.ndarray, dtype: Any, *, name: str) -> np.ndarray:
-    """dtype[..., N, K] = float32(w) * scale per 128x128 tile (DeepSeek's `weight_scale_inv`).
-
-    Goes one [N, K] matrix at a time, so the float32 temporaries are one expert's, not the
-    layer's (a DeepSeek-V3 w1 is 7.5e9 values).
-    """
+    """dtype[..., N, K] = float32(w) * scale per 128x128 tile (`hf_weights.dequantize_blocks`),
+    after checking the scales' shape."""
     expected = quant.block_scale_shape(w.shape)
     if scale.shape != expected:
         raise ValueError(
             f"{name}: {w.shape=} needs 128x128 block scales of shape {expected} but "
             f"{scale.shape=}; the checkpoint's weight_scale_inv does not match its weight"
         )
-    bn, bk = quant.DEFAULT_BLOCK_SHAPE
-    n, k = w.shape[-2:]
-    out = np.empty(w.shape, dtype)
-    for i in np.ndindex(w.shape[:-2]):
-        tiles = np.repeat(np.repeat(scale[i], bn, axis=0), bk, axis=1)[:n, :k]
-        out[i] = (w[i].astype(np.float32) * tiles).astype(dtype)
-    return out
+    return dequantize_blocks(w, scale, np.empty(w.shape, dtype))
 
 
 def load_hf_moe(layer: MoE, state_dict: Mapping[str, Any], prefix: str = "") -> MoE:

@@ -30,6 +30,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from moe_jax import quant
+
 HF_NAMINGS = (
     "block_sparse_moe.experts.{e}.w1/w3/w2.weight (Mixtral checkpoints)",
     "mlp.experts.{e}.gate_proj/up_proj/down_proj.weight (Qwen2/3-MoE, DeepSeek-V3 checkpoints)",
@@ -38,7 +40,6 @@ HF_NAMINGS = (
 _PER_EXPERT_PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 _SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _SCALE_SUFFIX = "_scale_inv"
-_BLOCK = (128, 128)  # FP8 checkpoints' weight_scale_inv: one scale per 128x128 tile
 _MAX_LISTED = 12
 
 
@@ -207,27 +208,41 @@ def _stack(state_dict: Mapping[str, Any], keys: list[list[str]]) -> np.ndarray:
     return out
 
 
+def dequantize_blocks(w: np.ndarray, scale: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[..., N, K] = float32(w) * scale per 128x128 tile (DeepSeek's `weight_scale_inv`, of
+    shape `quant.block_scale_shape(w.shape)`, not checked here), cast to out's dtype.
+
+    Goes one [N, K] matrix at a time, so the float32 temporaries are one expert's, not the
+    layer's (a DeepSeek-V3 w1 is 7.5e9 values). Returns `out`.
+    """
+    bn, bk = quant.DEFAULT_BLOCK_SHAPE
+    n, k = w.shape[-2:]
+    for i in np.ndindex(w.shape[:-2]):
+        tiles = np.repeat(np.repeat(scale[i], bn, axis=0), bk, axis=1)[:n, :k]
+        out[i] = (w[i].astype(np.float32) * tiles).astype(out.dtype)
+    return out
+
+
 def _dequantize_halves(w: np.ndarray, scale: np.ndarray, *, name: str) -> np.ndarray:
     """float32 [..., 2I, K] of an FP8 gate-and-up weight whose halves carry their own 128x128
     block scales, [..., 2 ceil(I/128), ceil(K/128)]: how DeepSeek's per-projection tensors (and
     transformers 5's fused `gate_up_proj_scale_inv`) store them. Where I is not a multiple of
     128, no one block-scale array of the joined [2I, K] weight holds them."""
-    bn, bk = _BLOCK
-    half, k = w.shape[-2] // 2, w.shape[-1]
-    groups = -(-half // bn)
-    expected = (*w.shape[:-2], 2 * groups, -(-k // bk))
-    if scale.shape != expected:
+    half = w.shape[-2] // 2
+    *lead, groups, k_groups = quant.block_scale_shape((*w.shape[:-2], half, w.shape[-1]))
+    if scale.shape != (*lead, 2 * groups, k_groups):
         raise ValueError(
             f"{name}: {w.shape=} (gate and up halves of {half} rows) needs per-half 128x128 "
-            f"block scales of shape {expected} but {scale.shape=}; the checkpoint's "
-            "weight_scale_inv does not match its weight"
+            f"block scales of shape {(*lead, 2 * groups, k_groups)} but {scale.shape=}; the "
+            "checkpoint's weight_scale_inv does not match its weight"
         )
     out = np.empty(w.shape, np.float32)
     for h in range(2):
-        rows = slice(h * half, (h + 1) * half)
-        tiles = scale[..., h * groups : (h + 1) * groups, :]
-        tiles = np.repeat(np.repeat(tiles, bn, axis=-2), bk, axis=-1)[..., :half, :k]
-        out[..., rows, :] = w[..., rows, :].astype(np.float32) * tiles
+        dequantize_blocks(
+            w[..., h * half : (h + 1) * half, :],
+            scale[..., h * groups : (h + 1) * groups, :],
+            out[..., h * half : (h + 1) * half, :],
+        )
     return out
 
 
@@ -296,7 +311,7 @@ def hf_moe_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, 
             scale_rows = [[k + _SCALE_SUFFIX for k in row] for row in rows]
             s = _stack(state_dict, scale_rows).astype(np.float32)
             s = s[0] if is_shared or naming.is_fused else s
-            if name.endswith("w1") and (params[name].shape[-2] // 2) % _BLOCK[0]:
+            if name.endswith("w1") and (params[name].shape[-2] // 2) % quant.DEFAULT_BLOCK_SHAPE[0]:
                 params[name] = _dequantize_halves(params[name], s, name=name)
             else:
                 params[name + "_scale"] = s
