@@ -308,9 +308,9 @@ class ContiguousExperts(Experts):
         `FUSED_ACT_QUANT_GEMMS` that runs GEMM1, act(gate) * up and the FP8 quantization as one
         kernel (GEMM2 still from `gemm`, on the segment multiple `gemm` asks for). FP8
         inference only (FP8 weights with their scales; no `recipe`, no gradient). Opt-in: on
-        the H200 (2026-12-04, BENCHMARKS.md "Prefill") beside DeepGEMM's GEMM2 it takes 13-16
-        us off shape B's device span per forward (858-868 us against 873-880) but adds 155-195
-        us at shape A, where the Mosaic GEMM1 is slower than DeepGEMM's.
+        the H200 (2026-12-04 and -05, BENCHMARKS.md "Prefill") beside DeepGEMM's GEMM2 it
+        takes 12-16 us off shape B's device span per forward (858-868 us against 871-883) but
+        adds 135-195 us at shape A, where the Mosaic GEMM1 is slower than DeepGEMM's.
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
