@@ -394,8 +394,11 @@ def group_quant(
     check_float_rows(x, "x", group_size=group_size)
     num_rows, hidden = x.shape
     num_groups = hidden // group_size
-    if num_rows == 0:
-        return jnp.zeros((0, hidden), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
+    if num_rows == 0 or num_groups == 0:  # nothing to quantize: no grid to launch
+        return (
+            jnp.zeros((num_rows, hidden), quant.FP8_DTYPE),
+            jnp.zeros((num_rows, num_groups), jnp.float32),
+        )
     return _quantize_call(
         _group_quant_kernel,
         x,
@@ -456,8 +459,11 @@ def act_and_quant(
         )
     inter = two_i // 2
     num_groups = inter // group_size
-    if num_rows == 0:
-        return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
+    if num_rows == 0 or num_groups == 0:  # nothing to quantize: no grid to launch
+        return (
+            jnp.zeros((num_rows, inter), quant.FP8_DTYPE),
+            jnp.zeros((num_rows, num_groups), jnp.float32),
+        )
     kernel = _act_quant_all_rows_kernel if expert_ids is None else _act_quant_kernel
     return _quantize_call(
         functools.partial(kernel, activation=activation),

@@ -349,8 +349,9 @@ def grouped_gemm_contiguous(
             is_fp8=has_scales,
         )
     _check_config(config, n=n, k=k, alignment=alignment, is_fp8=has_scales)
-    if num_rows == 0:
-        return jnp.zeros((0, n), out_dtype)
+    if num_rows == 0 or n == 0 or k == 0 or num_experts == 0:
+        # No grid to launch: K = 0 sums nothing (zeros); with E = 0 every row is padding.
+        return jnp.zeros((num_rows, n), out_dtype)
     # Segments are alignment multiples but M need not be: pad it to whole row blocks.
     padded_rows = -(-num_rows // config.block_m) * config.block_m
     expert_ids = expert_ids.astype(jnp.int32)
@@ -534,6 +535,8 @@ class PallasGemm(grouped_gemm.GroupedGemm):
     ):
         num_experts, max_m, _ = x.shape
         del expected_m  # the grid covers every block; blocks past the counts return at once
+        if num_experts == 0 or max_m == 0:  # no rows: no segment to view as contiguous
+            return jnp.zeros((num_experts, max_m, w.shape[1]), out_dtype)
         config = self._config(num_experts * max_m, w, MIN_BLOCK, x_scales is not None)
         rows, row_scales, expert_ids, rows_per_block = grouped_gemm.masked_as_contiguous(
             x, x_scales, num_rows_per_expert, config.block_m

@@ -465,6 +465,8 @@ def routing_metadata(
         interpret=interpret,
     )
     i32 = jnp.int32
+    # an int64 id of 2**32 + 1 must go nowhere, not wrap to expert 1
+    flat_ids = layouts.ids_as_int32(local_ids).reshape(-1)
     with _triton.quiet_triton_deprecation():
         inverse, counts, ends, source, expert_ids, _, _ = pl.pallas_call(
             kernel,
@@ -482,7 +484,7 @@ def routing_metadata(
             interpret=interpret,
             compiler_params=_triton.compiler_params(num_warps=config.num_warps, num_stages=1),
             name=f"routing_metadata_{config.block_p=}_{config.block_c=}",
-        )(local_ids.astype(i32).reshape(-1), jnp.zeros((2,), i32))
+        )(flat_ids, jnp.zeros((2,), i32))
     return layouts.RoutingMetadata(
         inverse=inverse.reshape(local_ids.shape),
         num_tokens_per_expert=counts,
