@@ -170,6 +170,7 @@ def contiguous_destinations(
       >>> inverse.tolist(), counts.tolist(), ends.tolist()
       ([[4, 0], [5, 6]], [1, 3], [4, 8])
     """
+    local_ids = ids_as_int32(local_ids)  # int8 ids with E > 127 compare as int32
     method = expert_rank.method_for(local_ids.size) if method is None else method
     if callable(method):
         ranker = method
@@ -250,6 +251,7 @@ def routing_metadata(
       ([0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1], [0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1])
     """
     check_routing_metadata_args(local_ids, num_experts, alignment, num_rows)
+    local_ids = ids_as_int32(local_ids)
     topk = local_ids.shape[1]
     inverse, counts, ends = contiguous_destinations(
         local_ids, num_experts=num_experts, alignment=alignment

@@ -74,7 +74,11 @@ def test_routing_metadata_sends_wide_out_of_range_ids_nowhere():
 
 
 def test_routing_metadata_takes_narrow_id_dtypes_past_their_range():
-    """int8 ids with E = 300 experts: every id the dtype holds is a valid expert."""
+    """int8 ids with E = 300 experts: every id the dtype holds is a valid expert, in the kernel
+    and in its reference (which compared int8 ids with 300 and raised OverflowError)."""
     ids = jnp.asarray([[50, 100], [-1, 7]], jnp.int8)
-    got = kernels.routing_metadata(ids, num_experts=300, alignment=1, num_rows=4, interpret=True)
-    assert got.inverse.tolist() == [[1, 2], [-1, 0]]
+    kwargs = dict(num_experts=300, alignment=1, num_rows=4)
+    got = kernels.routing_metadata(ids, **kwargs, interpret=True)
+    want = layouts.routing_metadata(ids, **kwargs)
+    assert got.inverse.tolist() == want.inverse.tolist() == [[1, 2], [-1, 0]]
+    assert got.expert_ids.tolist() == want.expert_ids.tolist() == [7, 50, 100, -1]
