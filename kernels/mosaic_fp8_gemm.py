@@ -93,6 +93,14 @@ class MosaicFp8GemmConfig:
         waiting for each wgmma before scaling it. The pipeline then moves two K blocks per step
         (`max_concurrent_steps` counts those steps); K must be a multiple of 256 (else the tiles
         run one block per step).
+      skips_padding_blocks: on 128-row segments in groups of at most 2 (the tile order the
+        kernel computes itself, `_kernel`'s `is_dense`), take the tiles from a list of the
+        valid row blocks (`_valid_blocks`, one XLA nonzero), so that a pair's all-padding
+        second block (its expert's rows end in the first; about 5.6% of the blocks at shape
+        B) is not computed; False computes every block of a valid pair and builds no list.
+        Elsewhere the tile table skips padding blocks anyway. Not timed on a GPU yet (a list
+        that also moved the single blocks to the end was 12 us slower per forward at B:
+        BENCHMARKS.md, "Prefill", 2026-12-05).
     N must be a multiple of `tile_n`.
     """
 
@@ -102,6 +110,7 @@ class MosaicFp8GemmConfig:
     max_concurrent_steps: int = 3
     is_chained: bool = False
     is_overlapped: bool = False
+    skips_padding_blocks: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128):
@@ -398,7 +407,8 @@ def _launch(
     is_dense=False,
 ):
     """Pads the rows to whole 64-row blocks, builds the tile table (with `is_dense`, for groups
-    of at most 2 blocks, counts the row blocks of the valid pairs instead) and runs `_kernel`."""
+    of at most 2 blocks, counts the row blocks of the valid pairs instead, or lists the valid
+    blocks with `skips_padding_blocks`) and runs `_kernel`."""
     num_rows, k = x.shape
     num_experts = w_scales.shape[0]
     padded_rows = _padded_rows(num_rows, is_dense=is_dense)
@@ -410,9 +420,12 @@ def _launch(
     if is_dense:
         if config.group_blocks > 2:
             raise ValueError(f"{config}: the in-kernel tile order takes groups of 1 or 2 blocks")
-        pair_experts = block_experts[::2]
-        is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
-        tiles = (2 * jnp.sum(is_valid, dtype=jnp.int32)).reshape(1)
+        if config.skips_padding_blocks:
+            tiles = _valid_blocks(block_experts, num_experts)
+        else:
+            pair_experts = block_experts[::2]
+            is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
+            tiles = (2 * jnp.sum(is_valid, dtype=jnp.int32)).reshape(1)
     else:
         tiles = _tile_table(block_experts, num_experts, n_tiles, config.group_blocks)
     if num_sms is None:
@@ -446,6 +459,29 @@ def _launch(
     if padded_rows != num_rows:
         x_scales_t = jnp.pad(x_scales_t, ((0, 0), (0, padded_rows - num_rows)))
     return kernel(block_experts, tiles, x, x_scales_t, w, w_scales.astype(jnp.float32))
+
+
+def _valid_blocks(block_experts: jax.Array, num_experts: int) -> jax.Array:
+    """The valid row blocks in layout order, for `MosaicFp8GemmConfig.skips_padding_blocks`.
+
+    Args:
+      block_experts: int32[B] the expert of each 64-row block (of its first row; padding blocks
+        hold an id outside [0, E)).
+      num_experts: E.
+
+    Returns:
+      int32[B + 1]: entries [0, V) the indices of the V valid blocks in increasing order, entry
+      B the count V (entries from V to B - 1 are 0).
+
+    Example: experts of 2, 1 and 3 blocks on 128-row segments (0 0 | 1 - | 2 2 | 2 - | - -):
+      >>> _valid_blocks(jnp.array([0, 0, 1, -1, 2, 2, 2, -1, -1, -1]), 3).tolist()
+      [0, 1, 2, 4, 5, 6, 0, 0, 0, 0, 6]
+    """
+    num_blocks = block_experts.shape[0]
+    is_valid = (block_experts >= 0) & (block_experts < num_experts)
+    (blocks,) = jnp.nonzero(is_valid, size=num_blocks, fill_value=0)
+    count = jnp.sum(is_valid, dtype=jnp.int32)
+    return jnp.append(blocks.astype(jnp.int32), count)
 
 
 def _tile_table(block_experts: jax.Array, num_experts: int, n_tiles: int, group: int) -> jax.Array:
@@ -532,7 +568,11 @@ def _kernel(
     blocks), tiles_gmem is int32[1], the number of row blocks in the valid pairs, and tile t is
     column tile (t mod G n_tiles) // G of block G (t // G n_tiles) + t mod G, with its pair's
     expert: `_tile_table`'s order without building the table. A pair's second block may be all
-    padding; it is computed anyway (padding rows are unspecified).
+    padding; it is computed anyway (padding rows are unspecified). With
+    `config.skips_padding_blocks`, tiles_gmem is `_valid_blocks`' list (V valid blocks, then
+    V): tile t is at entry t // n_tiles, in its group of two consecutive full-pair blocks
+    (column tiles interleaved as above) or alone (column tiles in a row), so V n_tiles tiles
+    and no all-padding block.
 
     With `activation`, w_gmem is GEMM1's weight seen as [2E, I, K] (expert e's gate rows at 2e,
     its up rows at 2e + 1) and each tile is 128 gate and the same 128 up columns: compute
@@ -610,7 +650,24 @@ def _kernel(
 
         def run_tile(tile, state=None):
             """The K pipeline of one output tile (entry `tile` of `_tile_table`)."""
-            if is_dense:
+            if is_dense and config.skips_padding_blocks:
+                entry = jax.lax.div(tile, jnp.int32(n_tiles))  # in `_valid_blocks`' list
+                block = tiles_gmem[entry]
+                if config.group_blocks == 1:
+                    column_tile = jax.lax.rem(tile, jnp.int32(n_tiles))
+                else:
+                    # a pair's blocks are consecutive, the first even: an odd block is a full
+                    # pair's second, an even one a full pair's first if the next entry follows
+                    # it (entry + 1 <= V <= B: inside the list)
+                    is_second = jax.lax.rem(block, 2) == 1
+                    is_pair = is_second | (tiles_gmem[entry + 1] == block + 1)
+                    offset = is_second.astype(jnp.int32)
+                    in_group = tile - (entry - offset) * n_tiles
+                    first_block = block - offset
+                    block = jax.lax.select(is_pair, first_block + jax.lax.rem(in_group, 2), block)
+                    column_tile = jax.lax.select(is_pair, jax.lax.div(in_group, 2), in_group)
+                expert = block_experts_gmem[block]
+            elif is_dense:
                 group = config.group_blocks
                 first = jax.lax.div(tile, group * n_tiles) * group
                 in_group = jax.lax.rem(tile, group * n_tiles)
@@ -689,7 +746,9 @@ def _kernel(
 
         # This SM's tiles: sm, sm + num_sms, ... below the valid tiles' count.
         sm = jax.lax.axis_index("sm")
-        if is_dense:
+        if is_dense and config.skips_padding_blocks:
+            num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1] * n_tiles
+        elif is_dense:
             num_tiles = tiles_gmem[0] * n_tiles
         else:
             num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
