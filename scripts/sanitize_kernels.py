@@ -61,6 +61,14 @@ class Shape:
 SHAPE_B = Shape(8192, 128, 8, 2048, 768, decode_tokens=256, max_m=32)
 # The tests of this script: the smallest shape every kernel accepts (Mosaic: 2I a multiple of 512).
 SHAPE_TINY = Shape(48, 8, 4, 256, 256, decode_tokens=16, max_m=4)
+# the fused GEMM1's pairs (the heuristic's at shape B) with `skips_padding_blocks`
+SKIPPING_PAIRS = mosaic_fp8_gemm.MosaicFp8GemmConfig(
+    group_blocks=2,
+    max_concurrent_steps=2,
+    is_chained=True,
+    is_overlapped=True,
+    skips_padding_blocks=True,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +190,17 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
 
     decode_fp8_128 = run_permute("xla", xq[:d], xs[:d], num_tokens=d)  # 128-row segments
 
-    def gemm_act_quant(impl):
+    def gemm_act_quant(impl, config=None):
         """GEMM1 + act(gate) * up + FP8 quantization in one Mosaic kernel on 128-row segments
-        (pairs of row blocks without a tile table); "xla" runs its pure-JAX reference."""
+        (pairs of row blocks without a tile table; `config` None: the heuristic's); "xla" runs
+        its pure-JAX reference."""
         lay = decode_fp8_128
         if impl == "xla":
             fn = mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_reference
         else:
             fn = functools.partial(
                 mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_contiguous,
+                config=config,
                 interpret=impl.endswith("interpret"),
             )
         q, scales = jax.jit(
@@ -259,6 +269,13 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
         # The same kernel with act(gate) * up and the FP8 quantization in its epilogue.
         "mosaic_gemm_act_quant": Kernel(
             gemm_act_quant, "mosaic_fp8", "mosaic_fp8_interpret", rtol=2e-2
+        ),
+        # ... taking its tiles from the list of valid row blocks (all-padding blocks skipped)
+        "mosaic_gemm_act_quant_skipping": Kernel(
+            functools.partial(gemm_act_quant, config=SKIPPING_PAIRS),
+            "mosaic_fp8",
+            "mosaic_fp8_interpret",
+            rtol=2e-2,
         ),
         "mosaic_gemm_bf16": Kernel(
             contiguous_gemm(groups_bf16, w1_bf16, None, layouts.DEFAULT_ALIGNMENT),
