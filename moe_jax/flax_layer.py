@@ -115,7 +115,7 @@ class MoE(nnx.Module):
         float8_e4m3fn with float32 128x128 block scales; None keeps them in `param_dtype`.
         H, I (and n * I) must be multiples of 128. See also `MoE.quantize`.
       dtype: compute dtype of the experts, bfloat16, float16 or float32 (None: the result type
-        of x and the float params).
+        of x and the float params; x's dtype once the expert weights are FP8).
         The router always computes in float32.
       param_dtype: dtype of the float params, bfloat16, float16 or float32 (default); the router
         stays in it too.
@@ -325,7 +325,8 @@ class MoE(nnx.Module):
         return weights, ids
 
     def compute_dtype(self, x: jax.Array) -> jnp.dtype:
-        """The dtype the experts run in for input x (`dtype`, else inferred as in nnx.Linear)."""
+        """The dtype the experts run in for input x: `dtype`, else x's dtype with FP8 expert
+        weights, else inferred from x and w1 as in nnx.Linear."""
         if self.dtype is not None:
             return jnp.dtype(self.dtype)
         if self.is_fp8:

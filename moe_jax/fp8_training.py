@@ -129,6 +129,13 @@ def grouped_gemm_contiguous(
     Returns:
       [M, N] in `out_dtype`; padding rows unspecified.
     """
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.dtype(a.dtype).itemsize < 2:
+            raise TypeError(
+                f"{name}.dtype={a.dtype} but the recipe quantizes bf16/float16/float32 operands "
+                f"itself (its dw would be {a.dtype}); for FP8 weights with their scales, drop "
+                "recipe= and run the FP8 inference path"
+            )
     statics = _Statics(
         forward=backend,
         recipe=recipe,
@@ -157,6 +164,8 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.
       (wq float8_e4m3fn[E, N, K], scales float32[E, N/128, K/128], the transpose of wq
       [E, K, N], the transposed scales [E, K/128, N/128]).
     """
+    if w.ndim != 3 or w.shape[1] % BLOCK or w.shape[2] % BLOCK:
+        raise ValueError(f"{w.shape=} but [E, N, K] with N and K multiples of {BLOCK} is needed")
     num_experts, n, k = w.shape
     tiles = w.astype(jnp.float32).reshape(num_experts, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)

@@ -181,6 +181,7 @@ def grouped_wgrad(
     `impl`: "auto", "xla", "torch" or an implementation object (`WGRADS`). Padding rows (id -1)
     may hold anything: they are zeroed here before any implementation sees them.
     """
+    _check_wgrad_operands(dy, x, expert_ids, alignment=alignment)
     is_valid = (expert_ids >= 0)[:, None]
     dy = jnp.where(is_valid, dy, jnp.zeros((), dy.dtype))
     x = jnp.where(is_valid, x, jnp.zeros((), x.dtype))
@@ -200,6 +201,7 @@ def grouped_wgrad_zero_padded(
     dy, x, expert_ids, expert_ends, *, num_experts, alignment, out_dtype, impl
 ):
     """`grouped_wgrad` for operands whose padding rows are already zero (no masking pass)."""
+    _check_wgrad_operands(dy, x, expert_ids, alignment=alignment)
     problem = wgrad_problem(dy, x, num_experts=num_experts, alignment=alignment)
     chosen = WGRADS.select(impl, problem)
     return chosen(
@@ -211,6 +213,22 @@ def grouped_wgrad_zero_padded(
         alignment=alignment,
         out_dtype=out_dtype,
     )
+
+
+def _check_wgrad_operands(dy, x, expert_ids, *, alignment) -> None:
+    """dy [M, N], x [M, K], expert_ids int[M] (or None), M a multiple of a positive `alignment`:
+    the masking above would broadcast a one-row x over every row, and the XLA implementation's
+    block reshape would fail without naming the argument."""
+    if dy.ndim != 2 or x.ndim != 2 or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"{dy.shape=} {x.shape=}: need dy [M, N] and x [M, K] with one M")
+    if expert_ids is not None and expert_ids.shape != (dy.shape[0],):
+        raise ValueError(f"{dy.shape=} but {expert_ids.shape=}: expert_ids needs M entries")
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{alignment=} must be a positive int (the layout's segment multiple)")
+    if dy.shape[0] % alignment:
+        raise ValueError(
+            f"{dy.shape=} but {alignment=}: the layout's rows M are a multiple of its alignment"
+        )
 
 
 def transposed_problem(

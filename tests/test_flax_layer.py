@@ -313,6 +313,18 @@ def test_compute_dtype(x_dtype, param_dtype, dtype, out_dtype):
     )
 
 
+def test_fp8_layer_infers_the_compute_dtype_from_x_alone():
+    """As the `dtype` docstring says: with FP8 expert weights, None means x's dtype (not its
+    result type with the float32 router params)."""
+    layer = MoE(
+        128, 128, num_experts=2, topk=1, quant_config=quant.Fp8BlockQuant(), rngs=nnx.Rngs(0)
+    )
+    x = jnp.ones((2, 128), jnp.bfloat16)
+    assert layer.router_kernel[...].dtype == jnp.float32
+    assert layer.compute_dtype(x) == jnp.bfloat16
+    assert layer(x).dtype == jnp.bfloat16
+
+
 def test_router_logits_are_float32_even_for_bf16_params():
     layer = make_layer(SMALL, param_dtype=jnp.bfloat16)
     logits = layer.router_logits(tokens(SMALL, dtype=jnp.bfloat16))
