@@ -227,12 +227,15 @@ def mosaic_fp8_gemm_contiguous(
     Returns:
       [M, N] in `out_dtype`; padding rows are unspecified.
     """
+    grouped_gemm.check_contiguous_operands(x, w, expert_ids, x_scales, w_scales)  # ranks first
     if config is None:
         config = heuristic_config(num_rows=x.shape[0], num_experts=w.shape[0], k=x.shape[1])
-    _check_operands(x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype)
+    _check_operands(
+        x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype, num_sms=num_sms
+    )
     num_rows, n = x.shape[0], w.shape[1]
-    if num_rows == 0:
-        return jnp.zeros((0, n), out_dtype)
+    if num_rows == 0 or n == 0 or x.shape[1] == 0:  # no tile to run; K = 0 sums nothing
+        return jnp.zeros((num_rows, n), out_dtype)
     padded_rows = _padded_rows(num_rows, is_dense=False)
     (y,) = _launch(
         x,
@@ -304,6 +307,7 @@ def mosaic_fp8_gemm_act_quant_contiguous(
             f"activation {activation!r} has no compiled fused epilogue; use one of "
             f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
         )
+    grouped_gemm.check_contiguous_operands(x, w1, expert_ids, x_scales, w1_scales)  # ranks first
     is_segment_of_pairs = alignment % (2 * BLOCK_M) == 0
     if config is None:
         config = heuristic_config(num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1])
@@ -314,7 +318,16 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     # no tile table (`_kernel`'s `is_dense`) for pairs or single blocks on 128-row segments
     is_dense = is_segment_of_pairs and config.group_blocks <= 2
     _check_operands(
-        x, w1, expert_ids, x_scales, w1_scales, alignment, config, jnp.bfloat16, is_gated=True
+        x,
+        w1,
+        expert_ids,
+        x_scales,
+        w1_scales,
+        alignment,
+        config,
+        jnp.bfloat16,
+        is_gated=True,
+        num_sms=num_sms,
     )
     if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
         raise ValueError(
@@ -325,8 +338,17 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     num_experts, two_i, k = w1.shape
     inter = two_i // 2  # a multiple of 128: 2I is a multiple of the 256-column tile (checked)
     num_groups = inter // SCALE_BLOCK
-    if num_rows == 0:
-        return jnp.zeros((0, inter), quant.FP8_DTYPE), jnp.zeros((0, num_groups), jnp.float32)
+    if num_rows == 0 or inter == 0:
+        return (
+            jnp.zeros((num_rows, inter), quant.FP8_DTYPE),
+            jnp.zeros((num_rows, num_groups), jnp.float32),
+        )
+    if k == 0:  # GEMM1 sums nothing: its output is zero, and so is act(gate) * up
+        from moe_jax.act_quant import act_and_quant_reference
+
+        return act_and_quant_reference(
+            jnp.zeros((num_rows, two_i), jnp.bfloat16), activation=activation
+        )
     padded_rows = _padded_rows(num_rows, is_dense=is_dense)
     q, scales_t = _launch(
         x,
@@ -864,12 +886,17 @@ def _block_product(x_smem, w_smem, interpret: bool) -> jax.Array:
 
 
 def _check_operands(
-    x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype, is_gated=False
+    x, w, expert_ids, x_scales, w_scales, alignment, config, out_dtype, is_gated=False, num_sms=None
 ):
     """The Pallas kernel's checks (`grouped_gemm.check_operands`), then FP8 only, N a multiple
-    of the tile, 64-row segments and the config's shared memory within a Hopper program's."""
+    of the tile, 64-row segments, the config's shared memory within a Hopper program's and a
+    positive `num_sms` (or None)."""
     if not gemm_kernels.check_operands(x, w, expert_ids, x_scales, w_scales, alignment):
         raise TypeError(f"x.dtype={x.dtype}, w.dtype={w.dtype}: both must be float8_e4m3fn")
+    if num_sms is not None and (
+        isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1
+    ):
+        raise ValueError(f"{num_sms=} but a positive int (or None: the device's) is needed")
     n = w.shape[1]
     if n % config.tile_n:
         raise ValueError(

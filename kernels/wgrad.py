@@ -147,6 +147,8 @@ def grouped_wgrad(
       [16.0, 0.0, 16.0]
     """
     del expert_ids
+    if dy.ndim != 2 or x.ndim != 2:
+        raise ValueError(f"{dy.shape=} {x.shape=}: need dy [M, N] and x [M, K]")
     num_rows, n = dy.shape
     k = x.shape[1]
     if x.shape[0] != num_rows or expert_ends.shape != (num_experts,):
@@ -156,11 +158,13 @@ def grouped_wgrad(
         )
     if dy.dtype != x.dtype or jnp.dtype(dy.dtype).name not in _DTYPES:
         raise TypeError(f"{dy.dtype=} {x.dtype=}: need one dtype of {_DTYPES}")
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{alignment=} but a positive multiple of {MIN_BLOCK} is needed")
     for name, value in (("N", n), ("K", k), ("alignment", alignment)):
         if value % MIN_BLOCK:
             raise ValueError(f"{name}={value}: the wgrad kernel needs multiples of {MIN_BLOCK}")
     config = fitted_config(config or WgradConfig(), n=n, k=k, alignment=alignment)
-    if num_experts == 0 or num_rows == 0:
+    if num_experts == 0 or num_rows == 0 or n == 0 or k == 0:  # no tile: K = 0 sums nothing
         return jnp.zeros((num_experts, n, k), out_dtype)
     kernel = functools.partial(
         _wgrad_kernel, block_m=config.block_m, block_n=config.block_n, block_k=config.block_k
