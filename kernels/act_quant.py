@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from moe_jax import quant
+from moe_jax import layouts, quant
 from moe_jax.act_quant import ACT_QUANTS, GROUP_QUANTS, check_float_rows
 from moe_jax.activation import check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import _triton
@@ -468,7 +468,7 @@ def act_and_quant(
     return _quantize_call(
         functools.partial(kernel, activation=activation),
         h,
-        expert_ids=None if expert_ids is None else expert_ids.astype(jnp.int32),
+        expert_ids=None if expert_ids is None else layouts.ids_as_int32(expert_ids),
         num_rows=num_rows,
         num_groups=num_groups,
         group_size=group_size,

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from moe_jax import grouped_gemm, quant
+from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.kernels import _fp8_dot, _triton, _wide_offsets
 
 SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N rows of w)
@@ -354,7 +354,7 @@ def grouped_gemm_contiguous(
         return jnp.zeros((num_rows, n), out_dtype)
     # Segments are alignment multiples but M need not be: pad it to whole row blocks.
     padded_rows = -(-num_rows // config.block_m) * config.block_m
-    expert_ids = expert_ids.astype(jnp.int32)
+    expert_ids = layouts.ids_as_int32(expert_ids)  # 2**32 + 1 is padding, not expert 1
     if padded_rows != num_rows:
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
@@ -435,7 +435,7 @@ def grouped_gemm_contiguous_reference(
     check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
     a = grouped_gemm.dequant_rows(x, x_scales).astype(jnp.float32)
     b = grouped_gemm.dequant_weights(w, w_scales).astype(jnp.float32)
-    ids = expert_ids.astype(jnp.int32)
+    ids = layouts.ids_as_int32(expert_ids)
     is_valid = (ids >= 0) & (ids < w.shape[0])
     per_row = b[jnp.clip(ids, 0, w.shape[0] - 1)]
     y = jnp.einsum("mk,mnk->mn", a, per_row, precision=jax.lax.Precision.HIGHEST)

@@ -57,7 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm, quant
+from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.activation import check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS, KERNEL_ACTIVATIONS
@@ -438,7 +438,7 @@ def _launch(
         extra = padded_rows - num_rows
         x = jnp.pad(x, ((0, extra), (0, 0)))
         expert_ids = jnp.pad(expert_ids, (0, extra), constant_values=-1)
-    block_experts = expert_ids.astype(jnp.int32)[::BLOCK_M]
+    block_experts = layouts.ids_as_int32(expert_ids)[::BLOCK_M]
     if is_dense:
         if config.group_blocks > 2:
             raise ValueError(f"{config}: the in-kernel tile order takes groups of 1 or 2 blocks")

@@ -47,7 +47,10 @@ class MosaicWgrad:
         if problem.x_dtype not in ("bfloat16", "float16") or problem.x_dtype != problem.w_dtype:
             return f"bf16/f16 operands of one dtype only, got {problem.x_dtype}, {problem.w_dtype}"
         if problem.n % cfg.block_m or problem.k % cfg.block_n:
-            return f"N={problem.n} and K={problem.k} must be multiples of {cfg.block_m}"
+            return (
+                f"N={problem.n} must be a multiple of {cfg.block_m} and K={problem.k} of "
+                f"{cfg.block_n}"
+            )
         try:
             from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: F401
         except ImportError as error:  # pragma: no cover - depends on the jaxlib build

@@ -82,3 +82,17 @@ def test_routing_metadata_takes_narrow_id_dtypes_past_their_range():
     want = layouts.routing_metadata(ids, **kwargs)
     assert got.inverse.tolist() == want.inverse.tolist() == [[1, 2], [-1, 0]]
     assert got.expert_ids.tolist() == want.expert_ids.tolist() == [7, 50, 100, -1]
+
+
+def test_grouped_gemm_treats_wide_out_of_range_ids_as_padding():
+    """Under x64 an int64 row id of 2**32 + 1 is padding (no expert) in the Pallas GEMM's
+    reference, not expert 1 after a wrapping cast; the kernel agrees on the valid rows."""
+    with jax.enable_x64(True):
+        ids = jnp.asarray([1] * 3 + [2**32 + 1] + [-1] * 12, jnp.int64)
+        x = jnp.ones((16, 32), jnp.bfloat16)
+        w = jnp.ones((2, 16, 32), jnp.bfloat16)
+        kwargs = dict(alignment=16, out_dtype=jnp.float32)
+        want = gg.grouped_gemm_contiguous_reference(x, w, ids, **kwargs)
+        got = gg.grouped_gemm_contiguous(x, w, ids, **kwargs, interpret=True)
+        assert np.asarray(want)[3].tolist() == [0.0] * 16
+        np.testing.assert_array_equal(np.asarray(got)[:3], np.asarray(want)[:3])
