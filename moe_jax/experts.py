@@ -188,7 +188,7 @@ def select_gemms(
     x_dtype,
     alignment: int | None = None,
     max_m: int | None = None,
-    fused_act_quant: str | None = None,
+    fused_act_quant: str | grouped_gemm.GroupedGemm | None = None,
 ) -> GemmPair:
     """The backends for GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2), through the registry.
 
@@ -305,7 +305,8 @@ class ContiguousExperts(Experts):
         master weights quantized on the fly, with DeepSeek-V3's backward (H and I multiples of
         128; FP8 weights refused).
       fused_act_quant: None (GEMM1, then the act + quantization kernel), or a backend of
-        `FUSED_ACT_QUANT_GEMMS` that runs GEMM1, act(gate) * up and the FP8 quantization as one
+        `FUSED_ACT_QUANT_GEMMS` (by name, or an object such as `MosaicFp8Gemm(config)` for its
+        tiles) that runs GEMM1, act(gate) * up and the FP8 quantization as one
         kernel (GEMM2 still from `gemm`, on the segment multiple `gemm` asks for). FP8
         inference only (FP8 weights with their scales; no `recipe`, no gradient). Opt-in: on
         the H200 (2026-12-04 and -05, BENCHMARKS.md "Prefill") beside DeepGEMM's GEMM2 it
@@ -331,7 +332,7 @@ class ContiguousExperts(Experts):
     wgrad: str = "auto"
     recipe: fp8_training.Fp8Training | None = None
     recompute: str = "none"
-    fused_act_quant: str | None = None
+    fused_act_quant: str | grouped_gemm.GroupedGemm | None = None
 
     def __post_init__(self):
         if not isinstance(self.permute_impl, str):

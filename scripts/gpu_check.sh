@@ -10,7 +10,8 @@
 #       T=1024-6144 and the decode layer from T=512 to 8192 with "auto" beside the three FP8
 #       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
 #   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
-#       layer and its fused-GEMM1 variant), then `kernel_gaps` for both experts at B and A
+#       layer and its fused-GEMM1 variants), then `kernel_gaps` for both experts at B and A
+#       (6 files to $OUT: the device tool brings back at most 8)
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -79,7 +80,8 @@ case "$mode" in
   prefill)
     status=0
     python3 -m moe_jax bench --shapes B A --variants moe_jax_fp8 moe_jax_fp8_fused_act \
-      --iters 20 --json "$out/prefill_bench.json" 2>&1 | tee "$out/prefill.log" || status=1
+      moe_jax_fp8_fused_act_skipping --iters 20 --json "$out/prefill_bench.json" 2>&1 \
+      | tee "$out/prefill.log" || status=1
     for shape in B A; do
       for experts in deep_gemm deep_gemm+mosaic_fp8; do
         python3 -m moe_jax.cli.kernel_gaps --shape "$shape" --experts "$experts" --samples 3 \

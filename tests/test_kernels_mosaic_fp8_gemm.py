@@ -666,6 +666,27 @@ def test_fused_moe_with_the_fused_first_gemm(gemm):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
+def test_fused_first_gemm_by_object_takes_its_config():
+    """`ContiguousExperts(fused_act_quant=MosaicFp8Gemm(config))`: the fused GEMM1 with the given
+    tiles (here skipping all-padding row blocks on 128-row segments) in the layer, within one FP8
+    step of the requantization of the XLA experts (interpret mode)."""
+    rng = np.random.default_rng(oracles.seed("fused_first_gemm_object"))
+    num_experts, hidden, inter, topk, num_tokens = 4, 256, 256, 2, 70
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, num_experts + 1, (num_tokens, topk)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
+    w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
+    w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
+    scales = dict(w1_scale=s1, w2_scale=s2)
+    fused = mg.MosaicFp8Gemm(PAIRS_SKIPPING, interpret=True)
+    experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant=fused)
+    got = np.asarray(fused_moe(x, w1, w2, weights, ids, experts=experts, **scales), np.float64)
+    want = np.asarray(fused_moe(x, w1, w2, weights, ids, experts="xla", **scales), np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
 def test_fused_first_gemm_refusals():
     with pytest.raises(ValueError, match="training recipe"):
         ContiguousExperts(fused_act_quant="mosaic_fp8", recipe=moe_jax.fp8_training.Fp8Training())

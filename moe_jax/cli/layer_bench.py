@@ -22,6 +22,10 @@ Variants (each runs where it can; the table says why one did not):
   moe_jax_fp8_fused_act_graph
                         both: the fused GEMM1 and a GEMM2 XLA may capture (only when named;
                         the XLA_FLAGS above apply)
+  moe_jax_fp8_fused_act_skipping
+                        the fused GEMM1 taking its tiles from the list of valid row blocks
+                        (`MosaicFp8GemmConfig(skips_padding_blocks=True)` with the tiles its
+                        heuristic picks at shapes A and B; only when named)
 """
 
 from __future__ import annotations
@@ -85,10 +89,12 @@ class Fp8Variant:
     Attributes:
       fused_act_quant: `ContiguousExperts(fused_act_quant=...)` (with 128-row segments), or None.
       is_graph: DeepGEMM calls XLA may capture into a CUDA graph (`_graph_experts`).
+      skips_padding_blocks: the fused GEMM1 with `SKIPPING_CONFIG` instead of its heuristic's.
     """
 
     fused_act_quant: str | None = None
     is_graph: bool = False
+    skips_padding_blocks: bool = False
 
 
 FP8_VARIANTS = {
@@ -96,7 +102,20 @@ FP8_VARIANTS = {
     "moe_jax_fp8_graph": Fp8Variant(is_graph=True),
     "moe_jax_fp8_fused_act": Fp8Variant(fused_act_quant="mosaic_fp8"),
     "moe_jax_fp8_fused_act_graph": Fp8Variant(fused_act_quant="mosaic_fp8", is_graph=True),
+    "moe_jax_fp8_fused_act_skipping": Fp8Variant(
+        fused_act_quant="mosaic_fp8", skips_padding_blocks=True
+    ),
 }
+# The fused GEMM1's heuristic tiles at shapes A and B (pairs of row blocks, overlapped and
+# chained steps, 2 slots: `mosaic_fp8_gemm_act_quant_contiguous` on 128-row segments), with the
+# all-padding row blocks skipped. Keyword arguments of `MosaicFp8GemmConfig` (imported on use).
+SKIPPING_CONFIG = dict(
+    group_blocks=2,
+    max_concurrent_steps=2,
+    is_chained=True,
+    is_overlapped=True,
+    skips_padding_blocks=True,
+)
 VARIANTS = (
     "jax_ragged_dot_bf16",
     "jax_mosaic_bf16",
@@ -207,6 +226,12 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         experts = "auto"
         if fused is not None and jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
+        if variant.skips_padding_blocks:
+            from moe_jax.kernels import mosaic_fp8_gemm
+
+            fused = mosaic_fp8_gemm.MosaicFp8Gemm(
+                mosaic_fp8_gemm.MosaicFp8GemmConfig(**SKIPPING_CONFIG)
+            )
         if variant.is_graph:
             experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
@@ -230,7 +255,9 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
 
 
-def _graph_experts(layer: Layer, *, fused_act_quant: str | None = None) -> ContiguousExperts | str:
+def _graph_experts(
+    layer: Layer, *, fused_act_quant: str | grouped_gemm.GroupedGemm | None = None
+) -> ContiguousExperts | str:
     """`ContiguousExperts` whose DeepGEMM calls are CUDA-graph capturable, or why not here;
     with `fused_act_quant`, GEMM1 + act * up + quantize run by that backend on 128-row segments.
 
