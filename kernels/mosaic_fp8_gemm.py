@@ -61,6 +61,7 @@ from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.activation import check_activation, gated_activation, round_to_dtype
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS, KERNEL_ACTIVATIONS
+from moe_jax.routing import require_int
 
 SCALE_BLOCK = gemm_kernels.SCALE_BLOCK  # one scale per 128 K columns of x, 128x128 of w
 BLOCK_K = 128  # K columns per pipeline step: one scale block, 128 FP8 bytes (one swizzle row)
@@ -196,6 +197,20 @@ def heuristic_config(*, num_rows: int, num_experts: int, k: int) -> MosaicFp8Gem
     return MosaicFp8GemmConfig()
 
 
+def act_quant_heuristic_config(
+    *, num_rows: int, num_experts: int, k: int, alignment: int
+) -> MosaicFp8GemmConfig:
+    """The config `mosaic_fp8_gemm_act_quant_contiguous` takes without one: `heuristic_config`'s,
+    its groups of 4 made pairs on segments of whole pairs (128 rows), where the kernel orders
+    the tiles itself."""
+    config = heuristic_config(num_rows=num_rows, num_experts=num_experts, k=k)
+    if alignment % (2 * BLOCK_M) == 0 and config.group_blocks > 2:
+        # H200, 2026-12-04, shape B: ordered in the kernel, groups of 4 that may span two
+        # experts took 451.6 us and padding the rows to 256 copied x; pairs 444.5 us
+        config = dataclasses.replace(config, group_blocks=2)
+    return config
+
+
 def mosaic_fp8_gemm_contiguous(
     x: jax.Array,
     w: jax.Array,
@@ -310,11 +325,9 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     grouped_gemm.check_contiguous_operands(x, w1, expert_ids, x_scales, w1_scales)  # ranks first
     is_segment_of_pairs = alignment % (2 * BLOCK_M) == 0
     if config is None:
-        config = heuristic_config(num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1])
-        if is_segment_of_pairs and config.group_blocks > 2:
-            # H200, 2026-12-04, shape B: ordered in the kernel, groups of 4 that may span two
-            # experts took 451.6 us and padding the rows to 256 copied x; pairs 444.5 us
-            config = dataclasses.replace(config, group_blocks=2)
+        config = act_quant_heuristic_config(
+            num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1], alignment=alignment
+        )
     # no tile table (`_kernel`'s `is_dense`) for pairs or single blocks on 128-row segments
     is_dense = is_segment_of_pairs and config.group_blocks <= 2
     _check_operands(
@@ -768,12 +781,11 @@ def _kernel(
 
         # This SM's tiles: sm, sm + num_sms, ... below the valid tiles' count.
         sm = jax.lax.axis_index("sm")
-        if is_dense and config.skips_padding_blocks:
-            num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1] * n_tiles
-        elif is_dense:
-            num_tiles = tiles_gmem[0] * n_tiles
-        else:
-            num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
+        # the last entry counts tiles, or with `is_dense` row blocks (the only entry without
+        # `skips_padding_blocks`)
+        num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
+        if is_dense:
+            num_tiles = num_tiles * n_tiles
         my_tiles = jax.lax.div(jnp.maximum(num_tiles - sm, 0) + num_sms - 1, jnp.int32(num_sms))
         if not is_chained:
 
@@ -893,9 +905,7 @@ def _check_operands(
     positive `num_sms` (or None)."""
     if not gemm_kernels.check_operands(x, w, expert_ids, x_scales, w_scales, alignment):
         raise TypeError(f"x.dtype={x.dtype}, w.dtype={w.dtype}: both must be float8_e4m3fn")
-    if num_sms is not None and (
-        isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1
-    ):
+    if num_sms is not None and require_int("num_sms", num_sms) < 1:
         raise ValueError(f"{num_sms=} but a positive int (or None: the device's) is needed")
     n = w.shape[1]
     if n % config.tile_n:

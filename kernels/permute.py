@@ -177,22 +177,12 @@ def _gather_rows(
     """
     num_tokens, hidden = x.shape
     num_rows = source.shape[0]
-    if x_scales is not None and x_scales.shape[1] == 0:  # no groups: nothing for the kernel
-        rows, _ = _gather_rows(
-            x,
-            None,
-            source,
-            config=config,
-            is_scales_group_major=is_scales_group_major,
-            is_padding_zeroed=is_padding_zeroed,
-            interpret=interpret,
-        )
-        return rows, jnp.zeros((num_rows, 0), x_scales.dtype)
-    if hidden == 0:  # no columns: the kernel's column block would read past x
-        if x_scales is None:
-            return jnp.zeros((num_rows, 0), x.dtype), None
-        scales = jnp.where((source >= 0)[:, None], x_scales[jnp.clip(source, 0, num_tokens - 1)], 0)
-        return jnp.zeros((num_rows, 0), x.dtype), scales
+    if hidden == 0 or (x_scales is not None and x_scales.shape[1] == 0):
+        # an empty axis: the kernel's column or group block would read past it; XLA's gather
+        def gather(a):
+            return jnp.where((source >= 0)[:, None], a[jnp.clip(source, 0, num_tokens - 1)], 0)
+
+        return gather(x), None if x_scales is None else gather(x_scales)
     block_h = min(config.block_h, _triton.next_power_of_2(hidden))
     num_groups = 0 if x_scales is None else x_scales.shape[1]
     kernel = functools.partial(

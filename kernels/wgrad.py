@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 
 from moe_jax import grouped_gemm, grouped_gemm_backward
 from moe_jax.kernels import _triton
+from moe_jax.routing import require_int
 
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -158,7 +159,7 @@ def grouped_wgrad(
         )
     if dy.dtype != x.dtype or jnp.dtype(dy.dtype).name not in _DTYPES:
         raise TypeError(f"{dy.dtype=} {x.dtype=}: need one dtype of {_DTYPES}")
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+    if require_int("alignment", alignment) < 1:
         raise ValueError(f"{alignment=} but a positive multiple of {MIN_BLOCK} is needed")
     for name, value in (("N", n), ("K", k), ("alignment", alignment)):
         if value % MIN_BLOCK:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
 from moe_jax.registry import AUTO, FunctionImpl, Registry, current_platform
+from moe_jax.routing import require_int
 
 FP8_WEIGHTS_MESSAGE = (
     "gradients through float8_e4m3fn expert weights are not defined (they are an inference "
@@ -223,7 +224,7 @@ def _check_wgrad_operands(dy, x, expert_ids, *, alignment) -> None:
         raise ValueError(f"{dy.shape=} {x.shape=}: need dy [M, N] and x [M, K] with one M")
     if expert_ids is not None and expert_ids.shape != (dy.shape[0],):
         raise ValueError(f"{dy.shape=} but {expert_ids.shape=}: expert_ids needs M entries")
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+    if require_int("alignment", alignment) < 1:
         raise ValueError(f"{alignment=} must be a positive int (the layout's segment multiple)")
     if dy.shape[0] % alignment:
         raise ValueError(

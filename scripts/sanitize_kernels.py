@@ -61,14 +61,6 @@ class Shape:
 SHAPE_B = Shape(8192, 128, 8, 2048, 768, decode_tokens=256, max_m=32)
 # The tests of this script: the smallest shape every kernel accepts (Mosaic: 2I a multiple of 512).
 SHAPE_TINY = Shape(48, 8, 4, 256, 256, decode_tokens=16, max_m=4)
-# the fused GEMM1's pairs (the heuristic's at shape B) with `skips_padding_blocks`
-SKIPPING_PAIRS = mosaic_fp8_gemm.MosaicFp8GemmConfig(
-    group_blocks=2,
-    max_concurrent_steps=2,
-    is_chained=True,
-    is_overlapped=True,
-    skips_padding_blocks=True,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +182,15 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
 
     decode_fp8_128 = run_permute("xla", xq[:d], xs[:d], num_tokens=d)  # 128-row segments
 
-    def gemm_act_quant(impl, config=None):
+    def gemm_act_quant(impl, skips_padding_blocks=False):
         """GEMM1 + act(gate) * up + FP8 quantization in one Mosaic kernel on 128-row segments
-        (pairs of row blocks without a tile table; `config` None: the heuristic's); "xla" runs
-        its pure-JAX reference."""
+        (pairs of row blocks without a tile table, the heuristic's tiles, optionally
+        `skips_padding_blocks`); "xla" runs its pure-JAX reference."""
         lay = decode_fp8_128
+        config = mosaic_fp8_gemm.act_quant_heuristic_config(
+            num_rows=lay.rows.shape[0], num_experts=e, k=lay.rows.shape[1], alignment=128
+        )
+        config = dataclasses.replace(config, skips_padding_blocks=skips_padding_blocks)
         if impl == "xla":
             fn = mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_reference
         else:
@@ -272,7 +268,7 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
         ),
         # ... taking its tiles from the list of valid row blocks (all-padding blocks skipped)
         "mosaic_gemm_act_quant_skipping": Kernel(
-            functools.partial(gemm_act_quant, config=SKIPPING_PAIRS),
+            functools.partial(gemm_act_quant, skips_padding_blocks=True),
             "mosaic_fp8",
             "mosaic_fp8_interpret",
             rtol=2e-2,

@@ -704,6 +704,16 @@ def test_fused_first_gemm_refusals():
         fused_moe(x, w1, w2, weights, ids, experts=experts)
 
 
+def test_act_quant_heuristic_config_takes_pairs_on_128_row_segments():
+    """About 10 row blocks per expert: the plain heuristic's groups of 4 become pairs where the
+    kernel orders the tiles itself (128-row segments) and stay on 64-row segments."""
+    sizes = dict(num_rows=81792, num_experts=128, k=2048)
+    assert mg.heuristic_config(**sizes).group_blocks == 4
+    paired = mg.act_quant_heuristic_config(**sizes, alignment=128)
+    assert paired == dataclasses.replace(mg.heuristic_config(**sizes), group_blocks=2)
+    assert mg.act_quant_heuristic_config(**sizes, alignment=64) == mg.heuristic_config(**sizes)
+
+
 def test_act_quant_on_128_row_segments_builds_no_tile_table(monkeypatch):
     """On 128-row segments the tiles are ordered in the kernel (`is_dense`); on 64-row segments
     the XLA tile table is still built."""

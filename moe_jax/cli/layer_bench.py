@@ -25,7 +25,7 @@ Variants (each runs where it can; the table says why one did not):
   moe_jax_fp8_fused_act_skipping
                         the fused GEMM1 taking its tiles from the list of valid row blocks
                         (`MosaicFp8GemmConfig(skips_padding_blocks=True)` with the tiles its
-                        heuristic picks at shapes A and B; only when named)
+                        heuristic picks for the layout; only when named)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import TextIO
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm, quant
+from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import gpu_clocks
 from moe_jax.cli.timing import rel_error, time_jax
 from moe_jax.experts import ContiguousExperts, ExpertWeights
@@ -89,7 +89,8 @@ class Fp8Variant:
     Attributes:
       fused_act_quant: `ContiguousExperts(fused_act_quant=...)` (with 128-row segments), or None.
       is_graph: DeepGEMM calls XLA may capture into a CUDA graph (`_graph_experts`).
-      skips_padding_blocks: the fused GEMM1 with `SKIPPING_CONFIG` instead of its heuristic's.
+      skips_padding_blocks: the fused GEMM1 with its heuristic's tiles and
+        `MosaicFp8GemmConfig.skips_padding_blocks` (`_skipping_gemm`).
     """
 
     fused_act_quant: str | None = None
@@ -106,16 +107,6 @@ FP8_VARIANTS = {
         fused_act_quant="mosaic_fp8", skips_padding_blocks=True
     ),
 }
-# The fused GEMM1's heuristic tiles at shapes A and B (pairs of row blocks, overlapped and
-# chained steps, 2 slots: `mosaic_fp8_gemm_act_quant_contiguous` on 128-row segments), with the
-# all-padding row blocks skipped. Keyword arguments of `MosaicFp8GemmConfig` (imported on use).
-SKIPPING_CONFIG = dict(
-    group_blocks=2,
-    max_concurrent_steps=2,
-    is_chained=True,
-    is_overlapped=True,
-    skips_padding_blocks=True,
-)
 VARIANTS = (
     "jax_ragged_dot_bf16",
     "jax_mosaic_bf16",
@@ -227,11 +218,7 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         if fused is not None and jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
         if variant.skips_padding_blocks:
-            from moe_jax.kernels import mosaic_fp8_gemm
-
-            fused = mosaic_fp8_gemm.MosaicFp8Gemm(
-                mosaic_fp8_gemm.MosaicFp8GemmConfig(**SKIPPING_CONFIG)
-            )
+            fused = _skipping_gemm(layer)
         if variant.is_graph:
             experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
@@ -253,6 +240,22 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
             )
         ), fp8_args
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
+
+
+def _skipping_gemm(layer: Layer) -> grouped_gemm.GroupedGemm:
+    """The fused GEMM1 backend with the tiles its heuristic picks for this layer's layout of
+    128-row segments, taking them from the list of valid row blocks (`skips_padding_blocks`)."""
+    from moe_jax.kernels import mosaic_fp8_gemm
+
+    num_tokens, topk = layer.topk_ids.shape
+    num_experts, _, hidden = layer.w1q.shape
+    config = mosaic_fp8_gemm.act_quant_heuristic_config(
+        num_rows=layouts.contiguous_num_rows(num_tokens, topk, num_experts, 128),
+        num_experts=num_experts,
+        k=hidden,
+        alignment=128,
+    )
+    return mosaic_fp8_gemm.MosaicFp8Gemm(dataclasses.replace(config, skips_padding_blocks=True))
 
 
 def _graph_experts(
