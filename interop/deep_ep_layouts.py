@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, layouts
 from moe_jax._pytree import pytree_dataclass
-from moe_jax.experts import ExpertsCall, ExpertWeights, masked_mlp
+from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax.masked_experts import masked_mlp
 from moe_jax.prepare_finalize import PreparedTokens
 
 HT_INTRANODE_RANKS = (2, 4, 8)  # DeepEP `SWITCH_RANKS` (csrc/kernels/launch.cuh)

@@ -10,6 +10,7 @@ kernels live in `moe_jax.kernels`; DLPack interop with torch-hosted DeepGEMM/Dee
 from moe_jax import layouts, permute, quant, registry
 from moe_jax.act_quant import act_and_quant, group_quant
 from moe_jax.activation import act_and_mul
+from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.ep_api import ep_fused_moe, ep_moe
 from moe_jax.expert_parallel import (
     AllToAllPrepareFinalize,
@@ -17,16 +18,11 @@ from moe_jax.expert_parallel import (
     EPStats,
     expert_map_for_rank,
 )
-from moe_jax.experts import (
-    ContiguousExperts,
-    Experts,
-    ExpertsCall,
-    ExpertWeights,
-    MaskedExperts,
-    experts_names,
-)
+from moe_jax.experts import Experts, ExpertsCall, ExpertWeights
+from moe_jax.experts_by_name import experts_names
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GEMMS, GemmProblem, GroupedGemm
+from moe_jax.masked_experts import MaskedExperts
 from moe_jax.modular import ModularMoE
 from moe_jax.permute import count_expert_num_tokens
 from moe_jax.prepare_finalize import (

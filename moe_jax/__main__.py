@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.tokens < 1:
         return _refuse(f"--tokens {args.tokens}: the demo needs at least 1 token")
-    from moe_jax.experts import resolve_experts
+    from moe_jax.experts_by_name import resolve_experts
 
     try:
         resolve_experts(args.experts)

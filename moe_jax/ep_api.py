@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe_jax.expert_parallel import AllToAllPrepareFinalize, EPConfig, EPStats
-from moe_jax.experts import Experts, resolve_experts
+from moe_jax.experts import Experts
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.modular import ModularMoE
 from moe_jax.moe_inputs import check_moe_inputs
 
@@ -41,9 +42,9 @@ def ep_moe(
       topk_ids: int[T, k] global expert ids; ids outside [0, E) go nowhere.
       config: `EPConfig` (axis, capacity, transport).
       num_experts: E, global; None means E_local * R.
-      experts: runs the local experts: a name (`moe_jax.experts.experts_names`) or an `Experts`
-        object; "auto" is `ContiguousExperts()`, every stage chosen by its registry (as
-        `fused_moe`).
+      experts: runs the local experts: a name (`moe_jax.experts_by_name.experts_names`) or an
+        `Experts` object; "auto" is `ContiguousExperts()`, every stage chosen by its registry
+        (as `fused_moe`).
       activation, w1_scale, w2_scale, apply_router_weight_on_input: as `moe_jax.fused_moe`.
       chunk_size: run the experts over chunks of at most this many received rows.
 

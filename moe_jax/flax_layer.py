@@ -23,7 +23,8 @@ except ImportError as error:  # flax is an optional extra
 
 from moe_jax import quant
 from moe_jax.activation import act_and_mul, check_activation
-from moe_jax.experts import Experts, resolve_experts
+from moe_jax.experts import Experts
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.routing import SCORING_FUNCS, fused_topk, grouped_topk, require_int
 

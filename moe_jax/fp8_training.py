@@ -21,7 +21,7 @@ handled as in `moe_jax.grouped_gemm_backward`.
 
 Example:
   >>> from moe_jax import fused_moe
-  >>> from moe_jax.experts import ContiguousExperts
+  >>> from moe_jax.contiguous_experts import ContiguousExperts
   >>> experts = ContiguousExperts(gemm="xla", recipe=Fp8Training())
   >>> x = jnp.ones((2, 128), jnp.bfloat16); w1 = jnp.full((2, 256, 128), 0.01, jnp.bfloat16)
   >>> w2 = jnp.full((2, 128, 128), 0.01, jnp.bfloat16); ids = jnp.array([[0], [1]])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from moe_jax.experts import Experts, resolve_experts
+from moe_jax.experts import Experts
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.modular import ModularMoE
 from moe_jax.prepare_finalize import NoEPPrepareFinalize
 

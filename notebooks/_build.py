@@ -570,7 +570,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from moe_jax.experts import ContiguousExperts, ExpertWeights
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertWeights
 from moe_jax.flax_layer import MoE, RouterConfig
 from moe_jax.grouped_gemm_backward import WGRADS, wgrad_problem
 

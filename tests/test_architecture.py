@@ -44,6 +44,9 @@ LAYERS = {
         (
             "prepare_finalize",
             "experts",
+            "contiguous_experts",
+            "masked_experts",
+            "experts_by_name",
             "modular",
             "fused_moe",
             "expert_parallel",
@@ -54,8 +57,9 @@ LAYERS = {
             "hf_checkpoint",
             "hf_weights",
             "hf_loading",
-            # DeepEP adapters are PrepareFinalize implementations (they import prepare_finalize
-            # and experts); they live in interop/ because they call torch-hosted DeepEP.
+            # DeepEP adapters are PrepareFinalize implementations (they import prepare_finalize,
+            # experts and masked_experts); they live in interop/ because they call torch-hosted
+            # DeepEP.
             "interop.deep_ep",
             "interop.deep_ep_layouts",
             "interop.deep_ep_ht",

@@ -9,7 +9,7 @@ import pytest
 
 from moe_jax.cli import train_stages
 from moe_jax.cli.layer_bench import SHAPES, make_layer
-from moe_jax.experts import MaskedExperts
+from moe_jax.masked_experts import MaskedExperts
 from moe_jax.registry import current_platform
 
 STAGES = ["permute", "GEMM1 (xla)", "act*up", "GEMM2 (xla)", "unpermute + reduce", "sum"]

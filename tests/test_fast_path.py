@@ -18,7 +18,8 @@ import pytest
 from test_fused_moe import Problem, assert_close, expected, make_inputs
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe, layouts
-from moe_jax.experts import ExpertWeights, resolve_experts
+from moe_jax.experts import ExpertWeights
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.grouped_gemm import XlaGemm
 
 INTERPRET = ModularMoE(

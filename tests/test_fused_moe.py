@@ -334,7 +334,8 @@ def _capacity_inputs():
 def test_masked_capacity_is_bounded_by_the_problem():
     """The hand-worked bound above; at the capacity the layer matches the oracle (nothing drops:
     about 130 valid pairs per expert), and max_m=None (T = 400) refuses."""
-    from moe_jax.experts import ExpertsProblem, MaskedExperts, masked_bound_rows
+    from moe_jax.experts import ExpertsProblem
+    from moe_jax.masked_experts import MaskedExperts, masked_bound_rows
 
     problem = ExpertsProblem(
         num_tokens=400,
@@ -362,7 +363,7 @@ def test_masked_capacity_error_names_the_argument_and_capacity():
     is compiled: a ValueError that is also the registry's NoImplementationError (with the
     refusal under the experts' name), naming max_m, the capacity, the rows and the pairs."""
     from moe_jax import MaskedExperts
-    from moe_jax.experts import MaskedCapacityError
+    from moe_jax.masked_experts import MaskedCapacityError
     from moe_jax.registry import NoImplementationError
 
     inputs = _capacity_inputs()
@@ -430,7 +431,8 @@ def test_masked_capacity_on_deepseek_v3_shapes():
     """E=256 H=7168 I=2048 k=8 FP8 (the H200 decode table): T=512 traces on the masked layout,
     T=2048 (524288 rows for 16384 pairs) refuses whatever the GEMM, before the GEMM is chosen;
     chunks of the suggested size trace; "auto" runs where the masked layout refuses."""
-    from moe_jax.experts import MaskedCapacityError, masked_max_tokens, resolve_experts
+    from moe_jax.experts_by_name import resolve_experts
+    from moe_jax.masked_experts import MaskedCapacityError, masked_max_tokens
 
     assert _trace("xla_masked", 512).shape == (512, 7168)
     for experts in ("xla_masked", "deep_gemm_masked"):

@@ -28,7 +28,8 @@ import pytest
 
 from moe_jax import fused_moe, grouped_gemm_backward, layouts, permute, quant
 from moe_jax.activation import act_and_mul
-from moe_jax.experts import MASKED_SUFFIX, ContiguousExperts, MaskedExperts
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.masked_experts import MASKED_SUFFIX, MaskedExperts
 from moe_jax.registry import NoImplementationError
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}

@@ -28,7 +28,8 @@ import pytest
 import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas", "pallas_interpret")
 import moe_jax.quant
 from moe_jax import grouped_gemm, layouts
-from moe_jax.experts import ContiguousExperts, ExpertWeights
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertWeights
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 

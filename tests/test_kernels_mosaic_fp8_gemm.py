@@ -21,7 +21,7 @@ import pytest
 import moe_jax.fp8_training
 import moe_jax.quant
 from moe_jax import grouped_gemm
-from moe_jax.experts import ContiguousExperts
+from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.kernels import mosaic_fp8_gemm as mg

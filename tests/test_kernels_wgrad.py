@@ -178,7 +178,7 @@ def test_gpu_training_step_with_the_pallas_wgrad():
     """bf16 gradients with wgrad="pallas" within 2e-2 of the float32 XLA backward (as every GPU
     backend's in test_grads)."""
     from moe_jax import fused_moe
-    from moe_jax.experts import ContiguousExperts
+    from moe_jax.contiguous_experts import ContiguousExperts
 
     rng = np.random.default_rng(41)
     t, h, inter, e = 512, 512, 256, 8

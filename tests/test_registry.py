@@ -317,7 +317,7 @@ def test_xla_experts_choose_xla_in_every_stage_on_a_gpu_too():
     """experts="xla" names the pure-XLA reference of every stage, the backward's weight gradient
     included: on a GPU, where "auto" would take the Pallas kernels, each stage still picks XLA."""
     from moe_jax import grouped_gemm_backward
-    from moe_jax.experts import resolve_experts
+    from moe_jax.experts_by_name import resolve_experts
 
     experts = resolve_experts("xla")
     gemm = grouped_gemm.GemmProblem(

@@ -17,7 +17,7 @@ import oracles
 import pytest
 
 from moe_jax import fused_moe
-from moe_jax.experts import ContiguousExperts
+from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.fp8_training import Fp8Training
 from moe_jax.kernels.mosaic_fp8_gemm import MosaicFp8Gemm, MosaicFp8GemmConfig
 

@@ -30,7 +30,9 @@ import numpy as np
 from moe_jax import quant
 from moe_jax.activation import act_and_mul
 from moe_jax.cli.timing import rel_error, time_jax
-from moe_jax.experts import ContiguousExperts, ExpertWeights, resolve_experts
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertWeights
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.routing import fused_topk
 

@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from moe_jax.experts import experts_names
+    from moe_jax.experts_by_name import experts_names
 
     if args.experts not in experts_names():
         print(

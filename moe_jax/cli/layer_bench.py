@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import gpu_clocks
 from moe_jax.cli.timing import rel_error, time_jax
-from moe_jax.experts import ContiguousExperts, ExpertWeights
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertWeights
 from moe_jax.fused_moe import fused_moe
 from moe_jax.routing import fused_topk
 

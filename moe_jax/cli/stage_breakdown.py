@@ -16,12 +16,9 @@ import jax
 from moe_jax import quant
 from moe_jax.cli.layer_bench import Layer
 from moe_jax.cli.timing import time_jax
-from moe_jax.experts import (
-    ContiguousExperts,
-    ExpertsCall,
-    ExpertWeights,
-    resolve_experts,
-)
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.prepare_finalize import NoEPPrepareFinalize
 
 

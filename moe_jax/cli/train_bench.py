@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from moe_jax.cli import layer_report
 from moe_jax.cli.layer_bench import SHAPES, make_layer
 from moe_jax.cli.timing import rel_error, time_calls, time_jax
-from moe_jax.experts import ContiguousExperts
+from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.fp8_training import Fp8Training
 from moe_jax.fused_moe import fused_moe
 

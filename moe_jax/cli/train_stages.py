@@ -25,7 +25,9 @@ import numpy as np
 from moe_jax.cli.layer_bench import SHAPES, Layer, make_layer
 from moe_jax.cli.timing import time_jax
 from moe_jax.cli.train_bench import experts_for
-from moe_jax.experts import ContiguousExperts, ExpertsCall, ExpertWeights, resolve_experts
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax.experts_by_name import resolve_experts
 from moe_jax.prepare_finalize import PreparedTokens
 
 
