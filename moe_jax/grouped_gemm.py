@@ -181,11 +181,11 @@ class GroupedGemm(abc.ABC):
 # Mosaic vs Pallas; DeepGEMM at 96): 16 pairs (T=512) 2988 vs 2846 (Pallas on 32-row segments);
 # 24 (T=768) 3012 vs 3048; 32 (T=1024) 3012 vs 3075; 48 (T=1536) 3084 vs 3149; 64 (T=2048) 3681
 # vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). Later the same day (10:36-13:36 UTC
-# session), with an expert's row blocks in pairs (`mosaic_fp8_gemm.heuristic_config`), Mosaic vs
+# session), with an expert's row blocks in pairs (`mosaic_fp8_config.heuristic_config`), Mosaic vs
 # DeepGEMM in one call: 128 pairs (T=4096) 4730 vs 5711; 192 (T=6144) 6317 vs 6162; 256
 # (T=8192) 7995 vs 7813; the prefill shapes (`bench` A, 1024 pairs per expert: 3554 vs 3005;
 # B, 512: 1136 vs 941). 2026-12-03 16:12-19:12 UTC session, with overlapped steps and groups of
-# 4 (`mosaic_fp8_gemm.heuristic_config`), one call, two rounds: 192 pairs (T=6144) 6066 / 6053
+# 4 (`mosaic_fp8_config.heuristic_config`), one call, two rounds: 192 pairs (T=6144) 6066 / 6053
 # vs DeepGEMM 6419 / 6630 (the previous call, before groups of 4: 6325 vs 6359); 256 pairs not
 # re-measured. The Mosaic range now ends at 192 pairs.
 # So on the contiguous layout "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and

@@ -25,6 +25,7 @@ from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.kernels import mosaic_fp8_gemm as mg
+from moe_jax.kernels import mosaic_fp8_tiles
 from moe_jax.registry import NoImplementationError
 
 # Interpret mode runs on the CPU device on GPU hosts (conftest); the compiled cases (marked gpu)
@@ -185,12 +186,12 @@ def test_tile_table(group, tiles, sizes):
     """Expert 0 has blocks 0-2, expert 1 block 3, expert 2 blocks 4-5; the padding blocks (ids
     -1 and E=4) get no tile. Two column tiles."""
     block_experts = jnp.asarray([0, 0, 0, 1, 2, 2, -1, 4], jnp.int32)
-    table = mg._tile_table(block_experts, 4, 2, group)
+    table = mosaic_fp8_tiles.tile_table(block_experts, 4, 2, group)
     count = int(table[-1])
     assert table.shape == (8 * 2 * group + 1,)
     assert count == len(tiles) and not np.any(np.asarray(table[count:-1]))
     assert [(int(c) // 2, int(c) % 2) for c in table[:count]] == tiles
-    assert mg._group_sizes(block_experts, 4, group).tolist() == sizes
+    assert mosaic_fp8_tiles.group_sizes(block_experts, 4, group).tolist() == sizes
 
 
 @pytest.mark.parametrize("interpret", IMPLS)
@@ -719,16 +720,16 @@ def test_act_quant_on_128_row_segments_builds_no_tile_table(monkeypatch):
     the XLA tile table is still built."""
 
     def refuse(*args, **kwargs):
-        raise AssertionError("_tile_table called")
+        raise AssertionError("tile_table called")
 
-    monkeypatch.setattr(mg, "_tile_table", refuse)
+    monkeypatch.setattr(mosaic_fp8_tiles, "tile_table", refuse)
     problem = PROBLEMS[0]
     rng = np.random.default_rng(oracles.seed("no_tile_table"))
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
     lay = oracles.permute(x, ids, problem.num_experts, alignment=128, x_scales=x_scales)
     q, s = _run_act_quant(lay, w, w_scales, config=PAIRS, interpret=True, alignment=128)
     _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
-    with pytest.raises(AssertionError, match="_tile_table called"):
+    with pytest.raises(AssertionError, match="tile_table called"):
         _run_act_quant(lay, w, w_scales, config=PAIRS, interpret=True, alignment=64)
 
 
@@ -744,7 +745,7 @@ def test_valid_blocks_on_128_row_layouts(seed):
     block_experts = np.asarray(lay["expert_ids"], np.int32)[:: mg.BLOCK_M]
     valid = np.asarray(lay["expert_ids"]).reshape(-1, mg.BLOCK_M) >= 0
     want = [b for b in range(len(block_experts)) if valid[b].any()]
-    got = np.asarray(mg._valid_blocks(jnp.asarray(block_experts), num_experts))
+    got = np.asarray(mosaic_fp8_tiles.valid_blocks(jnp.asarray(block_experts), num_experts))
     count = int(got[-1])
     assert got.shape == (len(block_experts) + 1,)
     assert count == len(want) and got[:count].tolist() == want
@@ -762,7 +763,7 @@ def test_skipping_with_an_odd_count_of_blocks(config):
     ids = np.stack([np.zeros(100), np.where(np.arange(100) < 30, 1, -1)], axis=1).astype(np.int32)
     lay = oracles.permute(x, ids, problem.num_experts, alignment=128, x_scales=x_scales)
     block_experts = jnp.asarray(np.asarray(lay["expert_ids"], np.int32)[:: mg.BLOCK_M])
-    assert mg._valid_blocks(block_experts, problem.num_experts).tolist()[-1] == 3
+    assert mosaic_fp8_tiles.valid_blocks(block_experts, problem.num_experts).tolist()[-1] == 3
     q, s = _run_act_quant(lay, w, w_scales, config=config, interpret=True, alignment=128)
     _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
 

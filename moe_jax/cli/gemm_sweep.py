@@ -18,7 +18,7 @@ active experts' FP8 weights and scales over the time), best first:
     python -m moe_jax.cli.gemm_sweep --tokens 1 32 128 --json sweep.json
 
 This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config` and
-`moe_jax.kernels.mosaic_fp8_gemm.heuristic_config`. Without a GPU it
+`moe_jax.kernels.mosaic_fp8_config.heuristic_config`. Without a GPU it
 runs the tiny shape in interpret mode (slow, but the command can be tested anywhere).
 
 `--ptxas` adds each Mosaic config's registers per thread, spilled bytes and any reason ptxas gives

@@ -1,0 +1,162 @@
+"""Tiles and tile order of the Mosaic GPU FP8 grouped GEMM (`kernels.mosaic_fp8_gemm`), and the
+heuristics that choose them from a layout's shape.
+
+`MosaicFp8GemmConfig` holds the tunables (columns per compute warpgroup, how an expert's row
+blocks are grouped, pipeline slots, chained and overlapped pipelines, skipping all-padding row
+blocks); `heuristic_config` picks one for a GEMM from its layout's rows, experts and K, and
+`act_quant_heuristic_config` the fused GEMM1 + act * up + quantization kernel's. The constants
+are the kernel's fixed tiling (64-row blocks, 128-wide K blocks, one FP8 swizzle row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from moe_jax.kernels import grouped_gemm as gemm_kernels
+
+SCALE_BLOCK = gemm_kernels.SCALE_BLOCK  # one scale per 128 K columns of x, 128x128 of w
+BLOCK_K = 128  # K columns per pipeline step: one scale block, 128 FP8 bytes (one swizzle row)
+BLOCK_M = 64  # rows per tile: one warpgroup's wgmma; the layout's segments are multiples of it
+SWIZZLE = 128  # shared-memory swizzle in bytes of the FP8 tiles (one K block row)
+SMEM_LIMIT = 227 * 1024  # shared memory one Hopper program may ask for (opt-in maximum)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicFp8GemmConfig:
+    """Tiles of the Mosaic GPU FP8 grouped GEMM.
+
+    Attributes:
+      block_n: output columns per compute warpgroup (64 or 128: within one weight-scale block).
+      num_compute_wgs: compute warpgroups per program (1 or 2), each taking `block_n` columns
+        of a tile `tile_n` = num_compute_wgs * block_n columns wide by 64 rows.
+      group_blocks: order the tiles so that an expert's row blocks in groups of this many (a
+        power of two) take each column tile one after the other; 1: a block's column tiles run
+        in a row.
+      max_concurrent_steps: pipeline steps whose TMA copies may be in flight (slots of one K
+        block each, two when overlapped).
+      is_chained: run consecutive tiles' pipelines as one (when a tile's steps, K / 128 or
+        K / 256 when overlapped, are a multiple of max_concurrent_steps; else each tile runs
+        its own).
+      is_overlapped: each compute warpgroup puts the wgmmas of two K blocks in flight and
+        scales the first block's products into its sum while the second runs, instead of
+        waiting for each wgmma before scaling it. The pipeline then moves two K blocks per step
+        (`max_concurrent_steps` counts those steps); K must be a multiple of 256 (else the tiles
+        run one block per step).
+      skips_padding_blocks: on 128-row segments in groups of at most 2 (the tile order the
+        kernel computes itself, `kernels.mosaic_fp8_kernel`'s `is_dense`), take the tiles from
+        a list of the valid row blocks (`mosaic_fp8_tiles.valid_blocks`, one XLA nonzero), so
+        that a pair's all-padding second block (its expert's rows end in the first; about 5.6%
+        of the blocks at shape B) is not computed; False computes every block of a valid pair
+        and builds no list.
+        Elsewhere the tile table skips padding blocks anyway. Not timed on a GPU yet (a list
+        that also moved the single blocks to the end was 12 us slower per forward at B:
+        BENCHMARKS.md, "Prefill", 2026-12-05).
+    N must be a multiple of `tile_n`.
+    """
+
+    block_n: int = 128
+    num_compute_wgs: int = 2
+    group_blocks: int = 1
+    max_concurrent_steps: int = 3
+    is_chained: bool = False
+    is_overlapped: bool = False
+    skips_padding_blocks: bool = False
+
+    def __post_init__(self):
+        if self.block_n not in (64, 128):
+            raise ValueError(f"MosaicFp8GemmConfig.block_n={self.block_n} but 64 or 128 is needed")
+        if self.num_compute_wgs not in (1, 2):
+            raise ValueError(
+                f"MosaicFp8GemmConfig.num_compute_wgs={self.num_compute_wgs} but 1 or 2 is needed"
+            )
+        if self.group_blocks < 1 or self.group_blocks & (self.group_blocks - 1):
+            raise ValueError(
+                f"MosaicFp8GemmConfig.group_blocks={self.group_blocks} but a power of two is needed"
+            )
+        if self.max_concurrent_steps < 1:
+            raise ValueError(
+                f"MosaicFp8GemmConfig.max_concurrent_steps={self.max_concurrent_steps} but >= 1 "
+                "is needed"
+            )
+
+    def k_blocks_per_step(self, k: int) -> int:
+        """128-wide K blocks per pipeline step for K = `k`: 2 when overlapped and K holds an
+        even number of blocks, else 1."""
+        return 2 if self.is_overlapped and (k // BLOCK_K) % 2 == 0 else 1
+
+    @property
+    def tile_n(self) -> int:
+        """Output columns per tile."""
+        return self.num_compute_wgs * self.block_n
+
+    def smem_bytes(self, out_dtype: jnp.dtype, k: int, *, is_gated: bool = False) -> int:
+        """Shared memory one program asks for at K = `k`: the pipeline's slots (x, its scales
+        and the weight tile per K block) and every compute warpgroup's output staging (with
+        `is_gated`, the fused act + quantization epilogue's: the tile's bf16 gate and up, three
+        rows of float32 and the FP8 codes)."""
+        blocks = self.k_blocks_per_step(k)
+        slot = blocks * (BLOCK_M * BLOCK_K + 4 * BLOCK_M + self.tile_n * BLOCK_K)
+        if is_gated:
+            staging = BLOCK_M * self.tile_n * 2 + 3 * BLOCK_M * 4 + BLOCK_M * self.tile_n // 2
+        else:
+            staging = BLOCK_M * self.tile_n * jnp.dtype(out_dtype).itemsize
+        return self.max_concurrent_steps * slot + staging
+
+
+# Evidence for `heuristic_config` (H200, 2026-12-03, BENCHMARKS.md "Mosaic GPU FP8 grouped GEMM",
+# DeepSeek-V3 experts, us): with about two row blocks per expert (T=2048: 32512 layout rows for
+# 256 experts) grouping an expert's blocks in pairs takes GEMM1 from 2350 to 2004 (4 slots) and
+# GEMM2 from 1173 to 1079, the layer from 3659 to 3303; at T=4096 the layer from 5629 to 4665; at
+# about 1.5 blocks per expert (T=1024, 24320 rows) pairs are slower (GEMM2 1073 against 1007).
+# Overlapped steps (two K blocks, both wgmmas in flight), 2026-12-03 16:12-19:12 UTC session,
+# `gemm_sweep --candidates mosaic` (GEMM1 / GEMM2, overlapped with 2 steps against the previous
+# heuristic's 3 or 4 slots): T=1024 1905 / 1022 against 1986 / 1037 (one by one); T=2048,
+# chained, 1946 / 1035 against 1960 / 1050 (pairs); T=4096, chained, 2887 / 1444 against
+# 2936 / 1532 (pairs). The layer in one call (`fused_moe` with each config, two rounds, us):
+# T=768 2987 / 3012 against 3124 / 3658, T=1024 3018 / 3027 against 3140 / 3707, T=1536
+# 3039 / 3052 against 3178 / 3591, T=2048 (chained) 3278 / 3336 against 3430 / 3504, T=4096
+# (chained) 4859 / 5386 against 4967 / 5047 (this T's rounds scatter by 10%).
+# Groups of 4, same session, a later call: at T=4096 (48896 rows, about 3 blocks per expert)
+# overlapped and chained in groups of 4 GEMM1 2643 / GEMM2 1360 against 2805 / 1398 in pairs
+# (one block per step: groups of 4 2656 / 1447 against pairs 2733 / 1475); the layer 4644 / 5084
+# against 4748 / 4848 (two rounds), and at T=6144 6066 / 6053 against 6247 / 6787 (DeepGEMM
+# 6419 / 6630). At T=2048 (about 2 blocks per expert) pairs stay best.
+GROUPED_FROM_BLOCKS_PER_EXPERT = 1.5  # layout rows / (64 * E) above which blocks go in pairs
+GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT = 2.5  # ... above which they go in groups of 4
+
+
+def heuristic_config(*, num_rows: int, num_experts: int, k: int) -> MosaicFp8GemmConfig:
+    """The config for a layout of `num_rows` rows over `num_experts` experts and K = `k`: two
+    compute warpgroups of 128 columns; an expert's row blocks one by one, in pairs above
+    `GROUPED_FROM_BLOCKS_PER_EXPERT` row blocks per expert on average and in groups of 4 above
+    `GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT`, the grouped tiles' pipelines chained. Where K holds an
+    even number of 128-wide blocks, overlapped steps of two blocks with 2 pipeline slots; else
+    one block per step with 3 slots (4 when grouped)."""
+    blocks_per_expert = num_rows / (BLOCK_M * max(num_experts, 1))
+    group = 1
+    if blocks_per_expert > GROUPED_FROM_BLOCKS_PER_EXPERT:
+        group = 4 if blocks_per_expert > GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT else 2
+    overlapped = MosaicFp8GemmConfig(
+        group_blocks=group, max_concurrent_steps=2, is_chained=group > 1, is_overlapped=True
+    )
+    if overlapped.k_blocks_per_step(k) == 2:
+        return overlapped
+    if group > 1:
+        return MosaicFp8GemmConfig(group_blocks=group, max_concurrent_steps=4)
+    return MosaicFp8GemmConfig()
+
+
+def act_quant_heuristic_config(
+    *, num_rows: int, num_experts: int, k: int, alignment: int
+) -> MosaicFp8GemmConfig:
+    """The config `mosaic_fp8_gemm_act_quant_contiguous` takes without one: `heuristic_config`'s,
+    its groups of 4 made pairs on segments of whole pairs (128 rows), where the kernel orders
+    the tiles itself."""
+    config = heuristic_config(num_rows=num_rows, num_experts=num_experts, k=k)
+    if alignment % (2 * BLOCK_M) == 0 and config.group_blocks > 2:
+        # H200, 2026-12-04, shape B: ordered in the kernel, groups of 4 that may span two
+        # experts took 451.6 us and padding the rows to 256 copied x; pairs 444.5 us
+        config = dataclasses.replace(config, group_blocks=2)
+    return config
