@@ -12,6 +12,10 @@
 #   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
 #       layer and its fused-GEMM1 variants), then `kernel_gaps` for both experts at B and A
 #       (6 files to $OUT: the device tool brings back at most 8)
+#   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
+#       on one FP8 forward at shape B with each (kernel time, shared-memory bank conflicts and
+#       wavefronts, instructions; then the warp-stall and memory-table sections), summarized
+#       by scripts/gpu_kernel_times.py (5 files to $OUT)
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -91,8 +95,38 @@ case "$mode" in
     done
     exit "$status"
     ;;
+  epilogue)
+    ncu_bin=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
+    [ -x "$ncu_bin" ] || { echo "ncu not found (PATH, CUDA_HOME)" >&2; exit 2; }
+    metrics=gpu__time_duration.sum,smsp__inst_executed.sum
+    for op in ld st; do
+      metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_$op.sum
+      metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_$op.sum
+    done
+    # --clock-control none: METHOD.md leaves the clocks alone; base units: ns for the time
+    ncu_args=(--profile-from-start off --clock-control none --csv --page raw --print-units base)
+    status=0
+    # the fused GEMM1 (act*up + quantization in its epilogue) and the plain one + act_quant
+    for experts in deep_gemm+mosaic_fp8 mosaic_fp8; do
+      tag=${experts/+/_}
+      for what in metrics sections; do
+        if [ "$what" = metrics ]; then
+          collect=(--metrics "$metrics")
+        else
+          collect=(--section WarpStateStats --section MemoryWorkloadAnalysis_Tables)
+        fi
+        "$ncu_bin" "${ncu_args[@]}" "${collect[@]}" \
+          python3 scripts/gpu_kernel_times.py B --experts "$experts" \
+          > "$out/epilogue_${tag}_$what.csv" 2>> "$out/epilogue.log" || status=1
+        echo "== $experts, $what" | tee -a "$out/epilogue.log"
+        python3 scripts/gpu_kernel_times.py --summarize "$out/epilogue_${tag}_$what.csv" \
+          2>&1 | tee -a "$out/epilogue.log" || status=1
+      done
+    done
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|epilogue (see the top of this file)" >&2
     exit 2
     ;;
 esac

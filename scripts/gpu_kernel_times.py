@@ -1,17 +1,44 @@
-"""Per-kernel device times of one moe_jax FP8 layer forward, for `ncu` (a development tool).
+"""Per-kernel device times and counters of one moe_jax FP8 layer forward, for `ncu` (a development
+tool).
 
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
         --csv --page raw python3 scripts/gpu_kernel_times.py A > kernels_A.csv
     python3 scripts/gpu_kernel_times.py --summarize kernels_A.csv
 
-Only the last forward (after warm-up) is inside the profiled range.
+Only the last forward (after warm-up) is inside the profiled range. `--experts NAME` runs the
+layer with that experts backend (`moe_jax.experts_names()`; "auto" by default), e.g.
+"deep_gemm+mosaic_fp8" for the fused Mosaic GEMM1. `--summarize` prints every metric column
+ncu wrote (the kernel time in us, counters as counted) and the sum over the kernels of each
+additive one, so one command compares, say, the shared-memory bank conflicts of two kernels
+(`bash scripts/gpu_check.sh epilogue`).
 """
 
+from __future__ import annotations
+
+import argparse
 import csv
-import sys
+
+# ncu columns that name or place a kernel rather than measure it
+_NON_METRIC_COLUMNS = {
+    "ID",
+    "Process ID",
+    "Process Name",
+    "Host Name",
+    "Kernel Name",
+    "Context",
+    "Stream",
+    "Block Size",
+    "Grid Size",
+    "Device",
+    "CC",
+}
+_TIME = "gpu__time_duration.sum"  # printed in us, whatever unit ncu chose
+_US_PER_UNIT = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
 
-def profile(shape_name: str) -> None:
+def profile(shape_name: str, experts: str) -> None:
+    """Runs the FP8 layer of `layer_bench.SHAPES[shape_name]` with `experts` three times, then
+    once inside the CUDA profiler's range (what `ncu --profile-from-start off` records)."""
     import jax
     import torch
 
@@ -20,7 +47,9 @@ def profile(shape_name: str) -> None:
 
     layer = layer_bench.make_layer(layer_bench.SHAPES[shape_name])
     fn = jax.jit(
-        lambda x, w1, w2, tw, ti, s1, s2: fused_moe(x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2)
+        lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
+            x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts
+        )
     )
     args = (layer.x, layer.w1q, layer.w2q, layer.topk_weights, layer.topk_ids, layer.w1s, layer.w2s)
     for _ in range(3):
@@ -32,25 +61,72 @@ def profile(shape_name: str) -> None:
     torch.cuda.profiler.stop()
 
 
-def summarize(path: str) -> None:
+def _number(text: str) -> float | None:
+    """An ncu CSV cell as a float (thousands separators removed), None if not a number."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _format(name: str, value: float) -> str:
+    """The time with 0.1 us, counts whole, ratios and percentages with 3 decimals."""
+    if name == _TIME:
+        return f"{value:.1f}"
+    if name.endswith(".sum") and value == int(value):
+        return f"{int(value)}"
+    return f"{value:.3f}"
+
+
+def summarize(path: str) -> list[str]:
+    """The table of `ncu --csv --page raw` output at `path`: one row per kernel, one column per
+    metric (gpu__time_duration.sum in us), then the sum over the kernels. Returns its lines."""
     with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]
+        lines = [line for line in f if line.startswith('"')]  # ncu's own log lines are not
     rows = list(csv.DictReader(lines))
-    total = 0.0
-    print(f"{'kernel':<70} {'us':>9}")
-    for row in rows:
-        value = row.get("gpu__time_duration.sum", "")
-        try:
-            us = float(value.replace(",", "")) / 1e3  # ns, with thousands separators
-        except ValueError:
-            continue  # the units row
-        total += us
-        print(f"{row['Kernel Name'][:70]:<70} {us:>9.1f}")
-    print(f"{'sum of kernel times':<70} {total:>9.1f}")
+    if not rows:
+        raise ValueError(f"{path}: no ncu CSV rows (was ncu run with --csv --page raw?)")
+    metrics = [name for name in rows[0] if name not in _NON_METRIC_COLUMNS]
+    kernels = [row for row in rows if _number(row.get(_TIME, row[metrics[0]])) is not None]
+    units = next((row for row in rows if row not in kernels), {})  # ncu's second line
+    to_us = _US_PER_UNIT.get(units.get(_TIME, "nsecond"), 1e-3)
+    headers = [("us" if name == _TIME else name) for name in metrics]
+    widths = [max(len(header), 12) for header in headers]
+    out = [f"{'kernel':<60} " + " ".join(f"{h:>{w}}" for h, w in zip(headers, widths, strict=True))]
+    totals = [0.0] * len(metrics)
+    for row in kernels:
+        cells = []
+        for i, name in enumerate(metrics):
+            value = _number(row[name])
+            if value is None:
+                cells.append(f"{row[name]:>{widths[i]}}")
+                continue
+            value = value * to_us if name == _TIME else value
+            totals[i] += value
+            cells.append(f"{_format(name, value):>{widths[i]}}")
+        out.append(f"{row['Kernel Name'][:60]:<60} " + " ".join(cells))
+    # sums of ratios and averages mean nothing: only counts (.sum) and the time are added up
+    summed = [
+        f"{_format(name, total):>{w}}" if name.endswith(".sum") else f"{'':>{w}}"
+        for name, total, w in zip(metrics, totals, widths, strict=True)
+    ]
+    out.append(f"{'sum over the kernels':<60} " + " ".join(summed))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", nargs="?", help="a layer_bench shape (A, B, ...)")
+    parser.add_argument("--experts", default="auto", help="experts backend of the layer")
+    parser.add_argument("--summarize", metavar="CSV", help="print the table of an ncu CSV")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        print("\n".join(summarize(args.summarize)))
+    elif args.shape:
+        profile(args.shape, args.experts)
+    else:
+        parser.error("give a shape to profile, or --summarize CSV")
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--summarize":
-        summarize(sys.argv[2])
-    else:
-        profile(sys.argv[1])
+    main()
