@@ -47,7 +47,7 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     """Tiny shape, GEMM2 (interpret mode off a GPU): the heuristic matches float32, every
     candidate matches the heuristic within the sweep's tolerance, results come best first."""
     path = tmp_path / "sweep.json"
-    argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1"]
+    argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1", "--burst", "1"]
     argv += ["--alignment", "32", "--json", str(path)]
     assert gemm_sweep.main(argv) == 0
     report = json.loads(path.read_text())
@@ -67,6 +67,9 @@ def test_gemm_sweep_checks_and_ranks_every_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gemm_sweep.main(["--alignment", "24"])
     assert "multiple of 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gemm_sweep.main(["--burst", "0"])
+    assert "pass positive counts" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -78,7 +81,7 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     groups = {c.group_blocks: c for c in reversed(gemm_sweep.MOSAIC_CANDIDATES)}
     monkeypatch.setattr(gemm_sweep, "MOSAIC_CANDIDATES", (groups[1], groups[2]))
     path = tmp_path / "sweep.json"
-    argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1"]
+    argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1", "--burst", "1"]
     argv += ["--alignment", "64", "--candidates", "mosaic", "--ptxas", "--json", str(path)]
     assert gemm_sweep.main(argv) == 0
     (entry,) = json.loads(path.read_text())["report"]

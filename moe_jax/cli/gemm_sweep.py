@@ -47,7 +47,7 @@ import numpy as np
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import decode_bench
 from moe_jax.cli.kernel_sass import captured_stdout
-from moe_jax.cli.timing import rel_error, time_calls
+from moe_jax.cli.timing import BURST, rel_error, time_calls
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 from moe_jax.kernels import mosaic_fp8_gemm
 
@@ -236,6 +236,7 @@ def sweep_one(
     *,
     samples: int,
     interpret: bool,
+    burst: int = BURST,
     alignment: int = ALIGNMENT,
     candidates: str = "all",
     ptxas: bool = False,
@@ -247,8 +248,9 @@ def sweep_one(
       lay: float8_e4m3fn rows [M, K] sorted by expert in `alignment`-row segments, row scales
         float32[M, K/128] and expert_ids int32[M] (-1 on padding rows).
       w: float8_e4m3fn[E, N, K]; w_scales float32[E, N/128, K/128].
-      samples: streamed samples (of `timing.BURST` calls) per config.
+      samples: streamed samples (of `burst` calls) per config.
       interpret: Pallas interpret mode (off a GPU).
+      burst: back-to-back calls per streamed sample (`moe_jax.cli.timing.BURST` by default).
       alignment: the layout's segment multiple.
       candidates: "pallas" (the Pallas kernel's candidates), "mosaic" (the Mosaic kernel's) or
         "all"; the heuristic is always timed.
@@ -328,7 +330,10 @@ def sweep_one(
                 results.append(dict(config=name, failed=f"differs from the heuristic: {error:.2e}"))
                 continue
             timing = time_calls(
-                lambda fn=fn: fn(*operands), wait=jax.block_until_ready, samples=samples
+                lambda fn=fn: fn(*operands),
+                wait=jax.block_until_ready,
+                samples=samples,
+                burst=burst,
             )
         except Exception as failure:  # noqa: BLE001 - e.g. shared memory: report, go on
             results.append(dict(config=name, failed=f"{type(failure).__name__}: {failure}"[:200]))
@@ -409,6 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--samples", type=int, default=5, help="streamed samples per config")
     parser.add_argument(
+        "--burst", type=int, default=BURST, help="back-to-back calls per streamed sample"
+    )
+    parser.add_argument(
         "--shape",
         choices=sorted(decode_bench.SHAPES),
         help="expert shapes (default: deepseek_v3 on a GPU, else tiny)",
@@ -434,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
+    if args.samples < 1 or args.burst < 1:
+        parser.error(f"--samples {args.samples} --burst {args.burst}: pass positive counts")
     if args.alignment is not None and (args.alignment < 16 or args.alignment % 16):
         parser.error(f"--alignment {args.alignment}: pass a positive multiple of 16")
     on_gpu = jax.default_backend() == "gpu"
@@ -471,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 w,
                 w_scales,
                 samples=args.samples,
+                burst=args.burst,
                 interpret=not on_gpu,
                 alignment=alignment,
                 candidates=args.candidates,
