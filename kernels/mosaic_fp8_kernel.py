@@ -3,7 +3,6 @@
 One Pallas Mosaic GPU kernel (Hopper only) computes `y[r] = x[r] @ w[expert_ids[r]].T` on the
 contiguous layout with vLLM's 128x128 block scales, built the way DeepGEMM's is:
 
-
 - persistent: one program per SM walks the output tiles of the valid row blocks (padding blocks
   are never visited), columns first, so the N tiles of a row block run on neighbouring SMs at
   once and share its x rows through L2;
@@ -36,8 +35,8 @@ contiguous layout with vLLM's 128x128 block scales, built the way DeepGEMM's is:
   On the H200 the kernel's time did not follow its loaded bytes (128-row tiles that load 40% fewer
   bytes per product but run two wgmma-wait-scale chains per warpgroup per K block took twice as
   long; BENCHMARKS.md, 2026-12-03 13:42-16:42 UTC): this targets that chain, and takes 1-6%
-  off each GEMM at T=1024-4096 (DeepSeek-V3 experts; `heuristic_config`'s evidence).
-
+  off each GEMM at T=1024-4096 (DeepSeek-V3 experts; the evidence beside
+  `mosaic_fp8_config.heuristic_config`).
 
 With `activation`, each tile is 128 gate and the same 128 up columns of GEMM1 (one per compute
 warpgroup) and its epilogue, `kernels.mosaic_fp8_epilogue.store_act_quant`, writes act(gate) * up
