@@ -50,9 +50,10 @@ class MosaicFp8GemmConfig:
         that a pair's all-padding second block (its expert's rows end in the first; about 5.6%
         of the blocks at shape B) is not computed; False computes every block of a valid pair
         and builds no list.
-        Elsewhere the tile table skips padding blocks anyway. Not timed on a GPU yet (a list
-        that also moved the single blocks to the end was 12 us slower per forward at B:
-        BENCHMARKS.md, "Prefill", 2026-12-05).
+        Elsewhere the tile table skips padding blocks anyway. Opt-in: on an H100 the layer
+        with it was level with the pair order at B (0.980 against 0.982 ms) and not faster at
+        A; a list that also moved the single blocks to the end was 12 us slower per forward at
+        B on the H200 (BENCHMARKS.md, "Prefill", 2026-12-05).
     N must be a multiple of `tile_n`.
     """
 
