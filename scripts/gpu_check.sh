@@ -15,7 +15,9 @@
 #   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
 #       on one FP8 forward at shape B with each (kernel time, shared-memory bank conflicts and
 #       wavefronts, instructions; then the warp-stall and memory-table sections), summarized
-#       by scripts/gpu_kernel_times.py (5 files to $OUT)
+#       by scripts/gpu_kernel_times.py (5 files to $OUT). First run, 2026-12-05 on an H100:
+#       only the fused path's sections came back; the --metrics runs and the plain path's
+#       sections died under ncu (segmentation fault, not investigated yet: BENCHMARKS.md)
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
