@@ -107,6 +107,7 @@ case "$mode" in
     done
     # --clock-control none: METHOD.md leaves the clocks alone; base units: ns for the time
     ncu_args=(--profile-from-start off --clock-control none --csv --page raw --print-units base)
+    summary_columns='gpu__time|inst_executed|mem_shared_op|issue_stalled_.*per_issue_active'
     status=0
     # the fused GEMM1 (act*up + quantization in its epilogue) and the plain one + act_quant
     for experts in deep_gemm+mosaic_fp8 mosaic_fp8; do
@@ -121,8 +122,9 @@ case "$mode" in
           python3 scripts/gpu_kernel_times.py B --experts "$experts" \
           > "$out/epilogue_${tag}_$what.csv" 2>> "$out/epilogue.log" || status=1
         echo "== $experts, $what" | tee -a "$out/epilogue.log"
+        # a section run writes about 700 columns: keep the time, shared memory and stalls
         python3 scripts/gpu_kernel_times.py --summarize "$out/epilogue_${tag}_$what.csv" \
-          2>&1 | tee -a "$out/epilogue.log" || status=1
+          --columns "$summary_columns" 2>&1 | tee -a "$out/epilogue.log" || status=1
       done
     done
     exit "$status"

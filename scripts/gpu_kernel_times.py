@@ -7,16 +7,17 @@ tool).
 
 Only the last forward (after warm-up) is inside the profiled range. `--experts NAME` runs the
 layer with that experts backend (`moe_jax.experts_names()`; "auto" by default), e.g.
-"deep_gemm+mosaic_fp8" for the fused Mosaic GEMM1. `--summarize` prints every metric column
-ncu wrote (the kernel time in us, counters as counted) and the sum over the kernels of each
-additive one, so one command compares, say, the shared-memory bank conflicts of two kernels
-(`bash scripts/gpu_check.sh epilogue`).
+"deep_gemm+mosaic_fp8" for the fused Mosaic GEMM1. `--summarize` prints the metrics ncu wrote,
+kernel by kernel (the kernel time in us, counters as counted; `--columns REGEX` keeps the
+matching ones), and the sum over the kernels of each additive one, so one command compares,
+say, the shared-memory bank conflicts of two kernels (`bash scripts/gpu_check.sh epilogue`).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 
 # ncu columns that name or place a kernel rather than measure it
 _NON_METRIC_COLUMNS = {
@@ -78,39 +79,49 @@ def _format(name: str, value: float) -> str:
     return f"{value:.3f}"
 
 
-def summarize(path: str) -> list[str]:
-    """The table of `ncu --csv --page raw` output at `path`: one row per kernel, one column per
-    metric (gpu__time_duration.sum in us), then the sum over the kernels. Returns its lines."""
+def _label(name: str) -> str:
+    """A metric's name as printed: the kernel time as "us"."""
+    return "us" if name == _TIME else name
+
+
+def summarize(path: str, columns: str | None = None) -> list[str]:
+    """The metrics of `ncu --csv --page raw` output at `path`, kernel by kernel (a block of
+    "metric value" lines each, gpu__time_duration.sum as "us"), then the sum over the kernels
+    of the time and of each count (.sum). `columns`: a regular expression the metric names
+    must match (`re.search`); None keeps all (a section run writes hundreds). Returns the lines.
+    """
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]  # ncu's own log lines are not
     rows = list(csv.DictReader(lines))
     if not rows:
         raise ValueError(f"{path}: no ncu CSV rows (was ncu run with --csv --page raw?)")
-    metrics = [name for name in rows[0] if name not in _NON_METRIC_COLUMNS]
-    kernels = [row for row in rows if _number(row.get(_TIME, row[metrics[0]])) is not None]
-    units = next((row for row in rows if row not in kernels), {})  # ncu's second line
+    pattern = re.compile(columns or "")
+    metrics = [n for n in rows[0] if n not in _NON_METRIC_COLUMNS and pattern.search(n)]
+    if not metrics:
+        raise ValueError(f"{path}: no metric column matches {columns!r}")
+    units = rows[0] if rows[0]["ID"] == "" else {}  # ncu's second line: each column's unit
+    kernels = rows[1:] if units else rows
     to_us = _US_PER_UNIT.get(units.get(_TIME, "nsecond"), 1e-3)
-    headers = [("us" if name == _TIME else name) for name in metrics]
-    widths = [max(len(header), 12) for header in headers]
-    out = [f"{'kernel':<60} " + " ".join(f"{h:>{w}}" for h, w in zip(headers, widths, strict=True))]
-    totals = [0.0] * len(metrics)
+    width = max(len(name) for name in metrics)
+    totals = dict.fromkeys(metrics, 0.0)
+    out = []
     for row in kernels:
-        cells = []
-        for i, name in enumerate(metrics):
+        out.append(row["Kernel Name"])
+        for name in metrics:
             value = _number(row[name])
             if value is None:
-                cells.append(f"{row[name]:>{widths[i]}}")
+                out.append(f"  {_label(name):<{width}} {row[name]:>14}")
                 continue
             value = value * to_us if name == _TIME else value
-            totals[i] += value
-            cells.append(f"{_format(name, value):>{widths[i]}}")
-        out.append(f"{row['Kernel Name'][:60]:<60} " + " ".join(cells))
+            totals[name] += value
+            out.append(f"  {_label(name):<{width}} {_format(name, value):>14}")
     # sums of ratios and averages mean nothing: only counts (.sum) and the time are added up
-    summed = [
-        f"{_format(name, total):>{w}}" if name.endswith(".sum") else f"{'':>{w}}"
-        for name, total, w in zip(metrics, totals, widths, strict=True)
+    out.append("sum over the kernels")
+    out += [
+        f"  {_label(name):<{width}} {_format(name, totals[name]):>14}"
+        for name in metrics
+        if name.endswith(".sum")
     ]
-    out.append(f"{'sum over the kernels':<60} " + " ".join(summed))
     return out
 
 
@@ -118,10 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", nargs="?", help="a layer_bench shape (A, B, ...)")
     parser.add_argument("--experts", default="auto", help="experts backend of the layer")
-    parser.add_argument("--summarize", metavar="CSV", help="print the table of an ncu CSV")
+    parser.add_argument("--summarize", metavar="CSV", help="print the metrics of an ncu CSV")
+    parser.add_argument(
+        "--columns", metavar="REGEX", help="with --summarize: only the metrics matching REGEX"
+    )
     args = parser.parse_args(argv)
     if args.summarize:
-        print("\n".join(summarize(args.summarize)))
+        print("\n".join(summarize(args.summarize, args.columns)))
     elif args.shape:
         profile(args.shape, args.experts)
     else:

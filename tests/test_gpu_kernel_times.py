@@ -37,16 +37,34 @@ def test_summary_per_kernel_and_sum(times, tmp_path, unit, time, us):
     path = _csv(
         tmp_path, unit, [("fused_gemm", time, "1,234,567", "0.52"), ("gemm2", "0", "10", "0.1")]
     )
-    lines = times.summarize(path)
-    assert lines[0].split()[:3] == [
-        "kernel",
-        "us",
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    conflicts = "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
+    stalls = "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"
+    assert [line.split() for line in times.summarize(path)] == [
+        ["fused_gemm"],
+        ["us", us],
+        [conflicts, "1234567"],
+        [stalls, "0.520"],
+        ["gemm2"],
+        ["us", "0.0"],
+        [conflicts, "10"],
+        [stalls, "0.100"],
+        # counts and the time add up; a ratio has no sum
+        ["sum", "over", "the", "kernels"],
+        ["us", us],
+        [conflicts, "1234577"],
     ]
-    assert lines[1].split() == ["fused_gemm", us, "1234567", "0.520"]
-    assert lines[2].split() == ["gemm2", "0.0", "10", "0.100"]
-    # counts and the time add up; a ratio has no sum
-    assert lines[3].split() == ["sum", "over", "the", "kernels", us, "1234577"]
+
+
+def test_summary_keeps_the_columns_asked_for(times, tmp_path):
+    path = _csv(tmp_path, "nsecond", [("fused_gemm", "453,200", "7", "0.52")])
+    lines = [line.split() for line in times.summarize(path, "stalled")]
+    assert lines == [
+        ["fused_gemm"],
+        ["smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "0.520"],
+        ["sum", "over", "the", "kernels"],
+    ]
+    with pytest.raises(ValueError, match="no metric column matches 'nonsense'"):
+        times.summarize(path, "nonsense")
 
 
 def test_summary_refuses_a_file_without_ncu_rows(times, tmp_path):
