@@ -11,11 +11,16 @@ layer with that experts backend (`moe_jax.experts_names()`; "auto" by default), 
 kernel by kernel (the kernel time in us, counters as counted; `--columns REGEX` keeps the
 matching ones), and the sum over the kernels of each additive one, so one command compares,
 say, the shared-memory bank conflicts of two kernels (`bash scripts/gpu_check.sh epilogue`).
+`--sass` reads ncu's source page of one kernel (`ncu --import R.ncu-rep --page source --csv
+--print-source sass`, with the SourceCounters section collected) and says where its warps' stall
+samples sit: by loop level (instructions grouped by how often they ran: once per K step, once
+per tile, ...), by opcode within a level, and the instructions with the most samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import re
 
@@ -125,6 +130,67 @@ def summarize(path: str, columns: str | None = None) -> list[str]:
     return out
 
 
+_SAMPLES = "Warp Stall Sampling (All Samples)"
+_EXECUTED = "Instructions Executed"
+
+
+def _opcode(source: str) -> str:
+    """A SASS line's opcode with its modifiers, predicate dropped: "@!P2 BRA 0x7f" -> "BRA"."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def sass_summary(path: str, *, levels: int = 4, opcodes: int = 8, top: int = 12) -> list[str]:
+    """Where one kernel's warp-stall samples sit, from ncu's source page CSV at `path`.
+
+    The instructions are grouped by their execution count: in a loop-structured kernel each
+    count is one loop level (in the Mosaic GEMM, the count of the K-step body, of the
+    per-tile epilogue, of the memory warpgroup's per-tile code). Lines: the `levels` groups
+    with the most samples (share of all samples, instructions, issued), the `opcodes`
+    opcodes with the most samples in each, then the `top` instructions with the most
+    samples and each one's two largest stall reasons. Returns the lines.
+    """
+    with open(path) as f:
+        lines = [line for line in f if line.startswith('"')]
+    header = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if header is None:
+        raise ValueError(f"{path}: no SASS rows (was it ncu --page source --print-source sass?)")
+    rows = list(csv.DictReader(lines[header:]))
+    if not rows or _SAMPLES not in rows[0] or _EXECUTED not in rows[0]:
+        raise ValueError(f"{path}: no stall samples (collect --section SourceCounters)")
+    stalls = [n for n in rows[0] if n.startswith("stall_") and "Not Issued" not in n]
+    samples = [_number(row[_SAMPLES]) or 0.0 for row in rows]
+    executed = [_number(row[_EXECUTED]) or 0.0 for row in rows]
+    total = sum(samples) or 1.0
+    by_level = collections.defaultdict(list)
+    for i, count in enumerate(executed):
+        by_level[count].append(i)
+    out = [f"{len(rows)} instructions, {sum(samples):.0f} stall samples"]
+    ranked = sorted(by_level.items(), key=lambda kv: -sum(samples[i] for i in kv[1]))
+    for count, members in ranked[:levels]:
+        level_samples = sum(samples[i] for i in members)
+        out.append(
+            f"run {count:.0f} times: {100 * level_samples / total:5.1f}% of samples, "
+            f"{len(members)} instructions, {count * len(members):.3g} issued"
+        )
+        per_opcode = collections.Counter()
+        for i in members:
+            per_opcode[_opcode(rows[i]["Source"])] += samples[i]
+        top_opcodes = per_opcode.most_common(opcodes)
+        out += [f"  {op:<40} {100 * value / total:5.1f}%" for op, value in top_opcodes]
+    out.append(f"the {top} instructions with the most samples (index, share, runs, reasons):")
+    for i in sorted(range(len(rows)), key=lambda i: -samples[i])[:top]:
+        reasons = sorted(stalls, key=lambda n: -(_number(rows[i][n]) or 0.0))[:2]
+        named = ", ".join(f"{n[len('stall_') :]} {_number(rows[i][n]) or 0:.0f}" for n in reasons)
+        out.append(
+            f"  {i:6d} {100 * samples[i] / total:5.1f}% {executed[i]:10.0f}  "
+            f"{rows[i]['Source'].strip()[:60]:<60} {named}"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", nargs="?", help="a layer_bench shape (A, B, ...)")
@@ -133,13 +199,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--columns", metavar="REGEX", help="with --summarize: only the metrics matching REGEX"
     )
+    parser.add_argument(
+        "--sass", metavar="CSV", help="where a kernel's stall samples sit, from ncu's source page"
+    )
     args = parser.parse_args(argv)
-    if args.summarize:
+    if args.sass:
+        print("\n".join(sass_summary(args.sass)))
+    elif args.summarize:
         print("\n".join(summarize(args.summarize, args.columns)))
     elif args.shape:
         profile(args.shape, args.experts)
     else:
-        parser.error("give a shape to profile, or --summarize CSV")
+        parser.error("give a shape to profile, --summarize CSV or --sass CSV")
 
 
 if __name__ == "__main__":

@@ -79,3 +79,66 @@ def test_command_line_needs_a_shape_or_a_csv(times, capsys):
         times.main([])
     assert exit_info.value.code == 2
     assert "give a shape to profile" in capsys.readouterr().err
+
+
+SASS_HEADER = (
+    '"Address","Source","Warp Stall Sampling (All Samples)",'
+    '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed","stall_barrier",'
+    '"stall_long_sb","stall_wait","stall_barrier (Not Issued)"'
+)
+
+
+def _sass_csv(tmp_path, rows):
+    """ncu's source page: the kernel's name line, the header, one line per SASS instruction
+    (source, samples, runs, barrier / long scoreboard / wait samples)."""
+    lines = ['"Kernel Name","anonymous_mosaic_gpu_kernel",', SASS_HEADER]
+    for i, (source, samples, runs, barrier, long_sb, wait) in enumerate(rows):
+        lines.append(
+            f'"0x{i:04x}","{source}","{samples}","0","{runs}","{barrier}","{long_sb}","{wait}","99"'
+        )
+    path = tmp_path / "sass.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_sass_summary_by_loop_level_and_opcode(times, tmp_path):
+    path = _sass_csv(
+        tmp_path,
+        [
+            ("      LDC R1, c[0x0][0x28]", "0", "132", "0", "0", "0"),
+            ("@!P2  BRA 0x7f39", "40", "4,000", "0", "38", "2"),  # the K loop's wait
+            ("      QGMMA.64x128x32.F32.E4M3.E4M3 R24", "20", "4,000", "0", "0", "20"),
+            ("      WARPGROUP.DEPBAR.LE gsb0, 0x0", "15", "4,000", "15", "0", "0"),
+            ("      MUFU.RCP R64, R64", "10", "500", "0", "0", "10"),  # a tile's epilogue
+            ("      BAR.SYNC.DEFER_BLOCKING R2, 0x80", "15", "500", "14", "0", "1"),
+        ],
+    )
+    lines = times.sass_summary(path, top=2)
+    assert lines[0] == "6 instructions, 100 stall samples"
+    assert lines[1].split() == [
+        "run", "4000", "times:", "75.0%", "of", "samples,", "3", "instructions,", "1.2e+04",
+        "issued",
+    ]  # fmt: skip
+    assert [line.split() for line in lines[2:5]] == [
+        ["BRA", "40.0%"],
+        ["QGMMA.64x128x32.F32.E4M3.E4M3", "20.0%"],
+        ["WARPGROUP.DEPBAR.LE", "15.0%"],
+    ]
+    assert lines[5].startswith("run 500 times:  25.0% of samples, 2 instructions")
+    assert [line.split()[0] for line in lines[6:8]] == ["BAR.SYNC.DEFER_BLOCKING", "MUFU.RCP"]
+    assert lines[8].startswith("run 132 times:   0.0% of samples")
+    # the two instructions with the most samples, with their largest stall reasons
+    assert lines[11].split()[:3] == ["1", "40.0%", "4000"]
+    assert lines[11].endswith("long_sb 38, wait 2")
+    assert lines[12].split()[:3] == ["2", "20.0%", "4000"]
+    assert len(lines) == 13
+
+
+def test_sass_summary_refuses_other_pages(times, tmp_path):
+    path = _csv(tmp_path, "nsecond", [("fused_gemm", "453,200", "7", "0.52")])
+    with pytest.raises(ValueError, match="no SASS rows"):
+        times.sass_summary(path)
+    no_samples = tmp_path / "no_samples.csv"
+    no_samples.write_text('"Address","Source","Instructions Executed"\n"0x0","NOP","1"\n')
+    with pytest.raises(ValueError, match="collect --section SourceCounters"):
+        times.sass_summary(str(no_samples))
