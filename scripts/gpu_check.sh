@@ -13,11 +13,12 @@
 #       layer and its fused-GEMM1 variants), then `kernel_gaps` for both experts at B and A
 #       (6 files to $OUT: the device tool brings back at most 8)
 #   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
-#       on one FP8 forward at shape B with each (kernel time, shared-memory bank conflicts and
-#       wavefronts, instructions; then the warp-stall and memory-table sections), summarized
-#       by scripts/gpu_kernel_times.py (5 files to $OUT). First run, 2026-12-05 on an H100:
-#       only the fused path's sections came back; the --metrics runs and the plain path's
-#       sections died under ncu (segmentation fault, not investigated yet: BENCHMARKS.md)
+#       on one FP8 forward at shape B with each: every kernel's time, shared-memory bank conflicts
+#       and instructions; then the GEMM1's warp-stall samples per SASS instruction, summarized by
+#       loop level and opcode (scripts/gpu_kernel_times.py --sass; 7 files to $OUT). The process
+#       ncu profiles dies now and then (segmentation fault, before the profiled range: 10 of 13
+#       runs on H100s on 2026-12-05, every run of the plain path, with and without XLA's
+#       autotuner and command buffers; cause not found), so each ncu run is tried up to 3 times
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -31,7 +32,12 @@ case "$mode" in
   suite)
     workers=()
     if python3 -c "import xdist" 2>/dev/null; then
-      workers=(-n 8)
+      # a worker per 12 GiB of GPU memory, at most 8: with 8 on an 80 GB H100 two tests ran out
+      # of memory beside the other workers (2026-12-05); the H200 (141 GB) takes 8
+      gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null \
+        | head -1 | awk '{print int($1 / 1024)}')
+      n=$(( ${gib:-96} / 12 ))
+      workers=(-n $(( n < 1 ? 1 : (n > 8 ? 8 : n) )))
     else
       echo "pytest-xdist is not installed: running the suite in one process" | tee "$out/pytest.log"
     fi
@@ -105,27 +111,42 @@ case "$mode" in
       metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_$op.sum
       metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_$op.sum
     done
-    # --clock-control none: METHOD.md leaves the clocks alone; base units: ns for the time
-    ncu_args=(--profile-from-start off --clock-control none --csv --page raw --print-units base)
-    summary_columns='gpu__time|inst_executed|mem_shared_op|issue_stalled_.*per_issue_active'
+    # the raw page also lists the device's attributes: keep the metrics asked for
+    columns='(gpu__time_duration|inst_executed|mem_shared_op_(ld|st))\.sum$'
     status=0
+    # ncu_tries OUTFILE NCU-ARGS...: ncu on one forward (--clock-control none: METHOD.md leaves
+    # the clocks alone), stdout to OUTFILE, up to 3 tries while the profiled process crashes
+    ncu_tries() {
+      local outfile=$1 try rc
+      shift
+      for try in 1 2 3; do
+        "$ncu_bin" --profile-from-start off --clock-control none "$@" > "$outfile" \
+          2>> "$out/epilogue.log"
+        rc=$?
+        echo "ncu try $try: exit status $rc" | tee -a "$out/epilogue.log"
+        [ "$rc" -eq 0 ] && return 0
+      done
+      return "$rc"
+    }
     # the fused GEMM1 (act*up + quantization in its epilogue) and the plain one + act_quant
     for experts in deep_gemm+mosaic_fp8 mosaic_fp8; do
       tag=${experts/+/_}
-      for what in metrics sections; do
-        if [ "$what" = metrics ]; then
-          collect=(--metrics "$metrics")
-        else
-          collect=(--section WarpStateStats --section MemoryWorkloadAnalysis_Tables)
-        fi
-        "$ncu_bin" "${ncu_args[@]}" "${collect[@]}" \
-          python3 scripts/gpu_kernel_times.py B --experts "$experts" \
-          > "$out/epilogue_${tag}_$what.csv" 2>> "$out/epilogue.log" || status=1
-        echo "== $experts, $what" | tee -a "$out/epilogue.log"
-        # a section run writes about 700 columns: keep the time, shared memory and stalls
-        python3 scripts/gpu_kernel_times.py --summarize "$out/epilogue_${tag}_$what.csv" \
-          --columns "$summary_columns" 2>&1 | tee -a "$out/epilogue.log" || status=1
-      done
+      forward=(python3 scripts/gpu_kernel_times.py B --experts "$experts")
+      echo "== $experts: every kernel of the forward" | tee -a "$out/epilogue.log"
+      ncu_tries "$out/epilogue_${tag}_metrics.csv" --metrics "$metrics" --csv --page raw \
+        --print-units base "${forward[@]}" || status=1
+      python3 scripts/gpu_kernel_times.py --summarize "$out/epilogue_${tag}_metrics.csv" \
+        --columns "$columns" 2>&1 | tee -a "$out/epilogue.log" || status=1
+      # the forward's first Mosaic kernel is its GEMM1 on both paths
+      echo "== $experts: GEMM1's stall samples" | tee -a "$out/epilogue.log"
+      report="/tmp/epilogue_$tag"
+      ncu_tries "$out/epilogue_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --import-source no -f -o "$report" \
+        "${forward[@]}" || status=1
+      "$ncu_bin" --import "$report.ncu-rep" --page source --csv --print-source sass \
+        > "$out/epilogue_${tag}_sass.csv" 2>> "$out/epilogue.log" || status=1
+      python3 scripts/gpu_kernel_times.py --sass "$out/epilogue_${tag}_sass.csv" 2>&1 \
+        | tee -a "$out/epilogue.log" || status=1
     done
     exit "$status"
     ;;
