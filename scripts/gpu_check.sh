@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host, after `source .gpu/install.sh` (see ../shared/device/stage):
-#   bash scripts/gpu_check.sh suite [pytest args]    the whole test suite, every marker (8
-#       pytest-xdist workers where xdist is installed, else one process); args select a part
+#   bash scripts/gpu_check.sh suite [pytest args]    the whole test suite, every marker (a
+#       pytest-xdist worker per 12 GiB of GPU memory, at most 8, where xdist is installed, else
+#       one process); args select a part
 #   bash scripts/gpu_check.sh sanitize [memcheck|racecheck] [--shape b|tiny] [kernel ...]
 #       compute-sanitizer on the Pallas kernels (both tools by default, shape B by default;
 #       `python3 scripts/sanitize_kernels.py --list`)
