@@ -11,8 +11,9 @@
 #       T=1024-6144 and the decode layer from T=512 to 8192 with "auto" beside the three FP8
 #       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
 #   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
-#       layer and its fused-GEMM1 variants), then `kernel_gaps` for both experts at B and A
-#       (6 files to $OUT: the device tool brings back at most 8)
+#       layer and its fused-GEMM1 variants), then `kernel_gaps` for both experts at B and A, then
+#       `call_timeline` at B (one waited call's host and device timeline; 7 files to $OUT: the
+#       device tool brings back at most 8)
 #   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
 #       on one FP8 forward at shape B with each: every kernel's time, shared-memory bank conflicts
 #       and instructions; then the GEMM1's warp-stall samples per SASS instruction, summarized by
@@ -102,6 +103,8 @@ case "$mode" in
           || status=1
       done
     done
+    python3 -m moe_jax.cli.call_timeline --shape B --json "$out/timeline_B.json" 2>&1 \
+      | tee -a "$out/prefill.log" || status=1
     exit "$status"
     ;;
   epilogue)

@@ -268,7 +268,7 @@ def device_kernels(xplane_path: str) -> tuple[list[KernelEvent], str]:
     return [], "no GPU kernel events; planes: " + "; ".join(seen)
 
 
-def _forward_fn(shape_name: str, experts: str = "auto") -> tuple[Callable, tuple]:
+def forward_fn(shape_name: str, experts: str = "auto") -> tuple[Callable, tuple]:
     """The jitted FP8 `fused_moe(experts=experts)` forward of a `bench` shape and its arguments."""
     from moe_jax.cli import layer_bench
     from moe_jax.fused_moe import fused_moe
@@ -400,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn, args_ = _decode_forward_fn(args.decode_tokens, args.experts)
     else:
         label = f"shape {args.shape}"
-        fn, args_ = _forward_fn(args.shape, args.experts)
+        fn, args_ = forward_fn(args.shape, args.experts)
     if args.experts != "auto":
         label += f", experts={args.experts}"
     timed = args.samples * args.burst
