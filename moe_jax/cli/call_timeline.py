@@ -62,12 +62,8 @@ class TraceEvent:
 
     @property
     def is_kernel(self) -> bool:
-        """A kernel on a device stream (as `kernel_gaps.device_kernels` counts them)."""
-        return (
-            self.plane.startswith("/device:GPU")
-            and self.line.startswith("Stream")
-            and not self.name.lower().startswith(("memcpy", "memset"))
-        )
+        """A kernel on a device stream (`kernel_gaps.is_kernel`, as `kernel_gaps` counts them)."""
+        return kernel_gaps.is_kernel(self.plane, self.line, self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,20 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pause-ms", type=float, default=5.0, help="host pause before each call")
     parser.add_argument("--json", help="also write every call's timeline to this JSON file")
     args = parser.parse_args(argv)
-    from moe_jax.cli import layer_bench
-    from moe_jax.experts_by_name import experts_names
-
-    if args.shape not in layer_bench.SHAPES:
-        print(
-            f"unknown shape {args.shape!r}; choose from {sorted(layer_bench.SHAPES)}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.experts not in experts_names():
-        print(
-            f"unknown --experts {args.experts!r}; choose from {list(experts_names())}",
-            file=sys.stderr,
-        )
+    error = kernel_gaps.layer_args_error(args.shape, args.experts)
+    if error:
+        print(error, file=sys.stderr)
         return 2
     if args.calls < 1 or args.pause_ms < 0:
         print(

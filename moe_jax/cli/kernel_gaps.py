@@ -243,6 +243,21 @@ def short_name(name: str, template_args: int = 4) -> str:
     return f"{base}<{', '.join(args[:template_args])}{more}>"
 
 
+def is_kernel(plane: str, line: str, name: str) -> bool:
+    """Whether a profile event is a kernel: on a GPU plane's "Stream ..." line (XLA's and
+    torch's launches on any stream), not a copy or a memset.
+
+    >>> is_kernel("/device:GPU:0", "Stream #14(Compute)", "permute"), is_kernel(
+    ...     "/device:GPU:0", "Stream #14(Compute)", "MemcpyD2D")
+    (True, False)
+    """
+    return (
+        plane.startswith("/device:GPU")
+        and line.startswith("Stream")
+        and not name.lower().startswith(("memcpy", "memset"))
+    )
+
+
 def device_kernels(xplane_path: str) -> tuple[list[KernelEvent], str]:
     """Kernel events of the first GPU plane of a trace, and a description of what was read.
 
@@ -259,13 +274,25 @@ def device_kernels(xplane_path: str) -> tuple[list[KernelEvent], str]:
         events = [
             KernelEvent(event.name, float(event.start_ns), float(event.duration_ns))
             for line in lines
-            if line.name.startswith("Stream")
             for event in line.events
-            if not event.name.lower().startswith(("memcpy", "memset"))
+            if is_kernel(plane.name, line.name, event.name)
         ]
         if events:
             return events, f"{plane.name}, {len(events)} kernels"
     return [], "no GPU kernel events; planes: " + "; ".join(seen)
+
+
+def layer_args_error(shape_name: str, experts: str) -> str | None:
+    """What is wrong with a `bench` shape and `fused_moe(experts=...)` name given on the
+    command line (the message names the choices), or None."""
+    from moe_jax.cli import layer_bench
+    from moe_jax.experts_by_name import experts_names
+
+    if shape_name not in layer_bench.SHAPES:
+        return f"unknown shape {shape_name!r}; choose from {sorted(layer_bench.SHAPES)}"
+    if experts not in experts_names():
+        return f"unknown --experts {experts!r}; choose from {list(experts_names())}"
+    return None
 
 
 def forward_fn(shape_name: str, experts: str = "auto") -> tuple[Callable, tuple]:
@@ -365,21 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the summary to this JSON file")
     parser.add_argument("--plot", help="also write a PNG of the device time by stage")
     args = parser.parse_args(argv)
-    from moe_jax.cli import layer_bench
-
-    if args.shape not in layer_bench.SHAPES:
-        print(
-            f"unknown shape {args.shape!r}; choose from {sorted(layer_bench.SHAPES)}",
-            file=sys.stderr,
-        )
-        return 2
-    from moe_jax.experts_by_name import experts_names
-
-    if args.experts not in experts_names():
-        print(
-            f"unknown --experts {args.experts!r}; choose from {list(experts_names())}",
-            file=sys.stderr,
-        )
+    error = layer_args_error(args.shape, args.experts)
+    if error:
+        print(error, file=sys.stderr)
         return 2
     if args.decode_tokens is not None and args.decode_tokens < 1:
         print(f"--decode-tokens {args.decode_tokens}: at least 1 is needed", file=sys.stderr)
