@@ -48,16 +48,9 @@ def profile(shape_name: str, experts: str) -> None:
     import jax
     import torch
 
-    from moe_jax.cli import layer_bench
-    from moe_jax.fused_moe import fused_moe
+    from moe_jax.cli import kernel_gaps
 
-    layer = layer_bench.make_layer(layer_bench.SHAPES[shape_name])
-    fn = jax.jit(
-        lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
-            x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts
-        )
-    )
-    args = (layer.x, layer.w1q, layer.w2q, layer.topk_weights, layer.topk_ids, layer.w1s, layer.w2s)
+    fn, args = kernel_gaps.forward_fn(shape_name, experts)
     for _ in range(3):
         jax.block_until_ready(fn(*args))
     torch.cuda.synchronize()

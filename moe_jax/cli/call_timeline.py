@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -146,20 +144,15 @@ def trace_waited_calls(
     host clock in us)."""
     for _ in range(WARMUP):
         jax.block_until_ready(fn(*args))
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # as kernel_gaps: the Python tracer slows every dispatch
     walls = []
-    with jax.profiler.trace(trace_dir, profiler_options=options):
+    with jax.profiler.trace(trace_dir, profiler_options=kernel_gaps.profiler_options()):
         for i in range(calls):
             time.sleep(pause_s)
             with jax.profiler.TraceAnnotation(f"{CALL_PREFIX}{i}"):
                 start = time.perf_counter()
                 jax.block_until_ready(fn(*args))
                 walls.append((time.perf_counter() - start) * 1e6)
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not paths:
-        raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    return max(paths, key=os.path.getmtime), walls
+    return kernel_gaps.latest_xplane(trace_dir), walls
 
 
 def _row(label: str, t: CallTimeline) -> str:

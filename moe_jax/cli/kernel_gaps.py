@@ -331,21 +331,30 @@ def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
 
     for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
         jax.block_until_ready(fn(*args))
-    # No Python tracer: it made each call's host dispatch a third longer (shape B on the H200,
-    # 2026-12-04: 340 -> about 450 us), and with it each burst's lead-in.
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
     with (
         gpu_clocks.ClockMonitor() as clocks,
-        jax.profiler.trace(trace_dir, profiler_options=options),
+        jax.profiler.trace(trace_dir, profiler_options=profiler_options()),
     ):
         measured = timing.time_calls(
             lambda: fn(*args), wait=jax.block_until_ready, samples=samples, burst=burst
         )
+    return latest_xplane(trace_dir), measured, clocks.summary
+
+
+def profiler_options() -> jax.profiler.ProfileOptions:
+    """The trace's options: no Python tracer, which made each call's host dispatch a third
+    longer (shape B on the H200, 2026-12-04: 340 -> about 450 us), and with it each lead-in."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    return options
+
+
+def latest_xplane(trace_dir: str) -> str:
+    """The newest .xplane.pb a `jax.profiler.trace(trace_dir)` wrote."""
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
-    return max(paths, key=os.path.getmtime), measured, clocks.summary
+    return max(paths, key=os.path.getmtime)
 
 
 def burst_spans(forwards: Sequence[Sequence[KernelEvent]], burst: int) -> list[float]:
