@@ -295,12 +295,33 @@ def layer_args_error(shape_name: str, experts: str) -> str | None:
     return None
 
 
-def forward_fn(shape_name: str, experts: str = "auto") -> tuple[Callable, tuple]:
-    """The jitted FP8 `fused_moe(experts=experts)` forward of a `bench` shape and its arguments."""
+def variant_error(variant: str) -> str | None:
+    """What is wrong with a `bench` FP8 variant named on the command line, or None."""
+    from moe_jax.cli import layer_bench
+
+    if variant not in layer_bench.FP8_VARIANTS:
+        return f"unknown --variant {variant!r}; choose from {list(layer_bench.FP8_VARIANTS)}"
+    return None
+
+
+def forward_fn(
+    shape_name: str, experts: str = "auto", *, variant: str | None = None
+) -> tuple[Callable, tuple]:
+    """The jitted FP8 `fused_moe(experts=experts)` forward of a `bench` shape and its arguments;
+    with `variant`, that `bench` FP8 variant's forward instead (`layer_bench.FP8_VARIANTS`).
+
+    Raises:
+      RuntimeError: the variant cannot run here (the message says why).
+    """
     from moe_jax.cli import layer_bench
     from moe_jax.fused_moe import fused_moe
 
     layer = layer_bench.make_layer(layer_bench.SHAPES[shape_name])
+    if variant is not None:
+        built = layer_bench.jax_variant(variant, layer)
+        if isinstance(built, str):
+            raise RuntimeError(f"variant {variant}: {built}")
+        return built
     fn = jax.jit(
         lambda x, w1, w2, tw, ti, s1, s2: fused_moe(
             x, w1, w2, tw, ti, w1_scale=s1, w2_scale=s2, experts=experts
@@ -393,6 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "or <gemm>+<fused> (GEMM1 fused with act + quantization)"
         ),
     )
+    parser.add_argument(
+        "--variant",
+        help=(
+            "a `bench` FP8 variant (e.g. moe_jax_fp8_fused_act_skipping) instead of --experts; "
+            "not with --decode-tokens"
+        ),
+    )
     parser.add_argument("--top-kernels", type=int, default=12, help="kernels listed by time")
     parser.add_argument(
         "--samples", type=int, default=5, help="timed bursts traced (each of --burst calls)"
@@ -402,6 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", help="also write a PNG of the device time by stage")
     args = parser.parse_args(argv)
     error = layer_args_error(args.shape, args.experts)
+    if args.variant is not None:
+        error = error or variant_error(args.variant)
+        if args.decode_tokens is not None or args.experts != "auto":
+            error = error or "--variant takes neither --decode-tokens nor --experts"
     if error:
         print(error, file=sys.stderr)
         return 2
@@ -424,9 +456,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn, args_ = _decode_forward_fn(args.decode_tokens, args.experts)
     else:
         label = f"shape {args.shape}"
-        fn, args_ = forward_fn(args.shape, args.experts)
+        fn, args_ = forward_fn(args.shape, args.experts, variant=args.variant)
     if args.experts != "auto":
         label += f", experts={args.experts}"
+    if args.variant is not None:
+        label += f", variant {args.variant}"
     timed = args.samples * args.burst
     traced = timing.WARMUP + timed  # time_calls' own warm-up calls run inside the trace too
     with tempfile.TemporaryDirectory() as trace_dir:

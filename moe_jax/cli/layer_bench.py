@@ -90,13 +90,14 @@ class Fp8Variant:
     Attributes:
       fused_act_quant: `ContiguousExperts(fused_act_quant=...)` (with 128-row segments), or None.
       is_graph: DeepGEMM calls XLA may capture into a CUDA graph (`_graph_experts`).
-      skips_padding_blocks: the fused GEMM1 with its heuristic's tiles and
-        `MosaicFp8GemmConfig.skips_padding_blocks` (`_skipping_gemm`).
+      fused_config: `MosaicFp8GemmConfig` fields changed from the fused GEMM1's heuristic
+        config for the layer's layout, as (name, value) pairs (`_fused_gemm`); () keeps the
+        backend's own choice per call.
     """
 
     fused_act_quant: str | None = None
     is_graph: bool = False
-    skips_padding_blocks: bool = False
+    fused_config: tuple[tuple[str, object], ...] = ()
 
 
 FP8_VARIANTS = {
@@ -105,7 +106,7 @@ FP8_VARIANTS = {
     "moe_jax_fp8_fused_act": Fp8Variant(fused_act_quant="mosaic_fp8"),
     "moe_jax_fp8_fused_act_graph": Fp8Variant(fused_act_quant="mosaic_fp8", is_graph=True),
     "moe_jax_fp8_fused_act_skipping": Fp8Variant(
-        fused_act_quant="mosaic_fp8", skips_padding_blocks=True
+        fused_act_quant="mosaic_fp8", fused_config=(("skips_padding_blocks", True),)
     ),
 }
 VARIANTS = (
@@ -201,8 +202,9 @@ def _mosaic_ragged(rows, w, sizes):
     return grouped_gemm.GEMMS.get("mosaic").ragged_dot(rows, w, sizes, rows.dtype)
 
 
-def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
-    """(jitted fn, args) for a JAX variant, or why it cannot run here."""
+def jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
+    """(jitted fn, args) for a JAX variant (one of `VARIANTS` but torch's), or why it cannot run
+    here."""
     bf16_args = (layer.x, layer.w1, layer.w2, layer.topk_weights, layer.topk_ids)
     if name == "jax_ragged_dot_bf16":
         return jax.jit(_sort_pipeline(_lax_ragged)), bf16_args
@@ -218,8 +220,8 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         experts = "auto"
         if fused is not None and jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
-        if variant.skips_padding_blocks:
-            fused = _skipping_gemm(layer)
+        if variant.fused_config:
+            fused = _fused_gemm(layer, dict(variant.fused_config))
         if variant.is_graph:
             experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
@@ -243,9 +245,9 @@ def _jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
 
 
-def _skipping_gemm(layer: Layer) -> grouped_gemm.GroupedGemm:
-    """The fused GEMM1 backend with the tiles its heuristic picks for this layer's layout of
-    128-row segments, taking them from the list of valid row blocks (`skips_padding_blocks`)."""
+def _fused_gemm(layer: Layer, changes: dict[str, object]) -> grouped_gemm.GroupedGemm:
+    """The fused GEMM1 backend with the config its heuristic picks for this layer's layout of
+    128-row segments, `changes` (`MosaicFp8GemmConfig` fields) applied."""
     from moe_jax.kernels import mosaic_fp8_gemm
 
     num_tokens, topk = layer.topk_ids.shape
@@ -256,7 +258,7 @@ def _skipping_gemm(layer: Layer) -> grouped_gemm.GroupedGemm:
         k=hidden,
         alignment=128,
     )
-    return mosaic_fp8_gemm.MosaicFp8Gemm(dataclasses.replace(config, skips_padding_blocks=True))
+    return mosaic_fp8_gemm.MosaicFp8Gemm(dataclasses.replace(config, **changes))
 
 
 def _graph_experts(
@@ -305,7 +307,7 @@ def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
             return dict(skipped=result)
         out, ms, latency_ms = result
     else:
-        built = _jax_variant(name, layer)
+        built = jax_variant(name, layer)
         if isinstance(built, str):
             return dict(skipped=built)
         fn, args = built
