@@ -1,7 +1,8 @@
 """`python -m moe_jax.cli.kernel_gaps`: where a forward's device time goes, kernel by kernel.
 
 Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")`, or another `--experts` name,
-on `bench`'s shapes, or on `bench --decode`'s DeepSeek-V3 experts with `--decode-tokens T`) with
+or one of `bench`'s FP8 variants with `--variant`, on `bench`'s shapes, or on `bench --decode`'s
+DeepSeek-V3 experts with `--decode-tokens T`) with
 `jax.profiler`, reads the GPU kernel events of the trace (`jax.profiler.ProfileData`), and
 reports per forward: the span from first kernel start to last kernel end, the time some kernel
 ran (busy), the idle rest (gaps), the largest gaps with the kernels on either side, and each
@@ -14,6 +15,7 @@ the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down
     python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
     python -m moe_jax.cli.kernel_gaps --decode-tokens 1 --plot stages.png
     python -m moe_jax.cli.kernel_gaps --shape B --experts mosaic_fp8   # one GEMM backend
+    python -m moe_jax.cli.kernel_gaps --shape B --variant moe_jax_fp8_fused_act_skipping
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
 Python, a synchronisation) or for an allocation. This is the profile issue 14 asks for; `bench
