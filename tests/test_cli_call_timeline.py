@@ -14,7 +14,7 @@ GPU, HOST = "/device:GPU:0", "/host:CPU"
 
 def _event(plane, name, start, duration, line=None):
     line = line or ("Stream #14(Compute)" if plane == GPU else "python3")
-    return ct.TraceEvent(plane, line, name, float(start), float(duration))
+    return ct.TraceEvent(name, float(start), float(duration), plane=plane, line=line)
 
 
 def test_timeline_of_one_call_from_host_and_device_events():

@@ -44,19 +44,13 @@ GRAPH_LAUNCH_PREFIX = "cuGraphLaunch"  # XLA's command buffer launched as a CUDA
 
 
 @dataclasses.dataclass(frozen=True)
-class TraceEvent:
-    """One event of a profile: its plane ("/host:CPU", "/device:GPU:0"), line (a host thread,
-    a device stream), name, and start and duration in nanoseconds."""
+class TraceEvent(kernel_gaps.KernelEvent):
+    """One event of a profile: `kernel_gaps.KernelEvent`'s name, start and duration in
+    nanoseconds, and its plane ("/host:CPU", "/device:GPU:0") and line (a host thread, a device
+    stream)."""
 
     plane: str
     line: str
-    name: str
-    start_ns: float
-    duration_ns: float
-
-    @property
-    def end_ns(self) -> float:
-        return self.start_ns + self.duration_ns
 
     @property
     def is_kernel(self) -> bool:
@@ -84,7 +78,11 @@ def read_events(xplane_path: str) -> list[TraceEvent]:
     data = jax.profiler.ProfileData.from_file(xplane_path)
     return [
         TraceEvent(
-            plane.name, line.name, event.name, float(event.start_ns), float(event.duration_ns)
+            event.name,
+            float(event.start_ns),
+            float(event.duration_ns),
+            plane=plane.name,
+            line=line.name,
         )
         for plane in data.planes
         for line in plane.lines
@@ -99,18 +97,17 @@ def call_timeline(call: TraceEvent, events: Sequence[TraceEvent]) -> CallTimelin
     ran before the profiler started).
 
     Example (a 100 ns call: a kernel from 20 to 50, one from 60 to 70, a callback of 30):
-      >>> call = TraceEvent("/host:CPU", "python", "c", 0, 100)
-      >>> events = [TraceEvent("/device:GPU:0", "Stream #1", "k", 20, 30),
-      ...           TraceEvent("/device:GPU:0", "Stream #1", "k", 60, 10),
-      ...           TraceEvent("/host:CPU", "python", "buffer_callback.2", 25, 30)]
+      >>> host = dict(plane="/host:CPU", line="python")
+      >>> gpu = dict(plane="/device:GPU:0", line="Stream #1")
+      >>> call = TraceEvent("c", 0, 100, **host)
+      >>> events = [TraceEvent("k", 20, 30, **gpu), TraceEvent("k", 60, 10, **gpu),
+      ...           TraceEvent("buffer_callback.2", 25, 30, **host)]
       >>> t = call_timeline(call, events)
       >>> t.first_kernel_us * 1e3, t.device_idle_us * 1e3, t.wake_us * 1e3, t.callbacks_us
       (20.0, 10.0, 30.0, (0.03,))
     """
     inside = [e for e in events if e is not call and call.start_ns <= e.start_ns <= call.end_ns]
-    kernels = [
-        kernel_gaps.KernelEvent(e.name, e.start_ns, e.duration_ns) for e in inside if e.is_kernel
-    ]
+    kernels = [e for e in inside if e.is_kernel]
     if not kernels:
         raise ValueError(f"no device kernel starts inside {call.name!r}: is the backend a GPU?")
     gaps = kernel_gaps.summarize(kernels)

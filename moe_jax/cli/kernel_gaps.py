@@ -458,7 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         fn, args_ = _decode_forward_fn(args.decode_tokens, args.experts)
     else:
         label = f"shape {args.shape}"
-        fn, args_ = forward_fn(args.shape, args.experts, variant=args.variant)
+        try:
+            fn, args_ = forward_fn(args.shape, args.experts, variant=args.variant)
+        except RuntimeError as error:  # a variant that cannot run here says why
+            print(error, file=sys.stderr)
+            return 2
     if args.experts != "auto":
         label += f", experts={args.experts}"
     if args.variant is not None:
