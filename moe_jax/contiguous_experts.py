@@ -27,6 +27,7 @@ from moe_jax.experts import (
 )
 from moe_jax.grouped_gemm_backward import grouped_gemm_contiguous
 from moe_jax.prepare_finalize import PreparedTokens
+from moe_jax.registry import AUTO
 
 RESIDUAL_LAYOUT = "moe_layout"
 RESIDUAL_GEMM1 = "moe_gemm1_out"
@@ -57,14 +58,18 @@ class ContiguousExperts(Experts):
       recipe: None, or `moe_jax.fp8_training.Fp8Training()` to run both GEMMs in FP8 on float
         master weights quantized on the fly, with DeepSeek-V3's backward (H and I multiples of
         128; FP8 weights refused).
-      fused_act_quant: None (GEMM1, then the act + quantization kernel), or a backend of
-        `moe_jax.experts.FUSED_ACT_QUANT_GEMMS` (by name, or an object such as
+      fused_act_quant: "auto", None (GEMM1, then the act + quantization kernel), or a backend
+        of `moe_jax.experts.FUSED_ACT_QUANT_GEMMS` (by name, or an object such as
         `MosaicFp8Gemm(config)` for its tiles) that runs GEMM1, act(gate) * up and the FP8
         quantization as one kernel (GEMM2 still from `gemm`, on the segment multiple `gemm` asks
-        for). FP8 inference only (FP8 weights with their scales; no `recipe`, no gradient). Opt-in:
-        on the H200 (2026-12-04 and -05, BENCHMARKS.md "Prefill") beside DeepGEMM's GEMM2 it takes
-        12-16 us off shape B's device span per forward (858-868 us against 871-883) but adds 135-195
-        us at shape A, where the Mosaic GEMM1 is slower than DeepGEMM's.
+        for). FP8 inference only (FP8 weights with their scales; no `recipe`, no gradient).
+        "auto" (with `gemm="auto"` and no `recipe`; else it never fuses) fuses where
+        `moe_jax.experts.fused_act_quant_preference` says the fused kernel is the faster: FP8
+        on a Hopper GPU, DeepGEMM's 128-row segments, silu, H up to
+        `moe_jax.experts.FUSED_ACT_QUANT_MAX_K` (2048). There, beside DeepGEMM's GEMM2, it takes
+        12-16 us off shape B's device span per forward on the H200 (858-868 us against 871-883,
+        2026-12-04) and 4-9% off the forward on an H100 at H=1024-2048 (2026-12-05); at shape A
+        (H=7168) it is 8-17% slower (BENCHMARKS.md, "Prefill").
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
@@ -85,7 +90,7 @@ class ContiguousExperts(Experts):
     wgrad: str = "auto"
     recipe: fp8_training.Fp8Training | None = None
     recompute: str = "none"
-    fused_act_quant: str | grouped_gemm.GroupedGemm | None = None
+    fused_act_quant: str | grouped_gemm.GroupedGemm | None = AUTO
 
     def __post_init__(self):
         if not isinstance(self.permute_impl, str):
@@ -98,14 +103,23 @@ class ContiguousExperts(Experts):
                 f"ContiguousExperts(recompute={self.recompute!r}): choose from "
                 f"{sorted(RECOMPUTE_POLICIES)}"
             )
-        if self.fused_act_quant is not None and self.recipe is not None:
+        if self.fused_act_quant not in (None, AUTO) and self.recipe is not None:
             raise ValueError(
                 f"ContiguousExperts(fused_act_quant={self.fused_act_quant!r}) runs FP8 inference "
                 "only; it cannot be combined with a training recipe"
             )
 
-    def select_gemms(self, weights: ExpertWeights, *, num_tokens: int, topk: int, x_dtype):
-        """`GemmPair` for T tokens of top-k routing (the FP8 problem under `recipe`)."""
+    def select_gemms(
+        self,
+        weights: ExpertWeights,
+        *,
+        num_tokens: int,
+        topk: int,
+        x_dtype,
+        activation: str = "silu",
+    ):
+        """`GemmPair` for T tokens of top-k routing (the FP8 problem under `recipe`) and the
+        gated `activation` (which decides whether "auto" may fuse GEMM1 with it)."""
         if self.recipe is not None:
             self.recipe.check(
                 hidden=weights.w1.shape[2],
@@ -125,7 +139,8 @@ class ContiguousExperts(Experts):
             num_pairs=num_tokens * topk,
             x_dtype=x_dtype,
             alignment=self.alignment,
-            fused_act_quant=self.fused_act_quant,
+            fused_act_quant=None if self.recipe is not None else self.fused_act_quant,
+            activation=activation,
         )
 
     def permute(
@@ -248,7 +263,11 @@ class ContiguousExperts(Experts):
     def apply(self, prepared, weights, *, expert_map, call):
         num_tokens, topk = prepared.topk_ids.shape
         gemms = self.select_gemms(
-            weights, num_tokens=num_tokens, topk=topk, x_dtype=prepared.x.dtype
+            weights,
+            num_tokens=num_tokens,
+            topk=topk,
+            x_dtype=prepared.x.dtype,
+            activation=call.activation,
         )
 
         def forward(prepared, weights, expert_map):

@@ -37,11 +37,21 @@ from moe_jax import act_quant, grouped_gemm, quant
 from moe_jax._pytree import pytree_dataclass
 from moe_jax.activation import act_and_mul
 from moe_jax.prepare_finalize import AlreadyReduced, PreparedTokens, WeightAndReduce
-from moe_jax.registry import current_platform
+from moe_jax.registry import AUTO, current_platform
 
 # GEMM backends with a `contiguous_act_quant` method (GEMM1 + act(gate) * up + FP8 quantization
 # in one kernel), for `ContiguousExperts(fused_act_quant=...)`.
 FUSED_ACT_QUANT_GEMMS = ("mosaic_fp8", "mosaic_fp8_interpret")
+# `fused_act_quant="auto"` fuses GEMM1 up to this K (the hidden size H). Evidence (BENCHMARKS.md,
+# "Prefill", 2026-12-05 16:31-19:31 UTC, one H100; `bench`'s ms per forward back to back, fused
+# against DeepGEMM's GEMM1 and the act + quantization kernel, two rounds each): T=8192 E=128
+# k=8 I=768 at H=1024 0.560-0.575 against 0.621-0.623, H=2048 (shape B) 0.995 against
+# 1.037-1.043, H=3072 1.415-1.429 against 1.442-1.453; T=4096 E=32 I=2048 at H=2048 0.980-0.992
+# against 1.002-1.032; slower from H=4096 (I=1536: 3.29-3.38 against 3.21-3.28; shape A, H=7168:
+# 3.36-3.56 against 3.04-3.13). On the H200 shape B's device span was 858-868 us fused against
+# 871-883 (2026-12-04): the margin there is smaller, so the bound stays at the largest H with a
+# win on both GPUs.
+FUSED_ACT_QUANT_MAX_K = 2048
 
 
 @pytree_dataclass
@@ -199,6 +209,7 @@ def select_gemms(
     alignment: int | None = None,
     max_m: int | None = None,
     fused_act_quant: str | grouped_gemm.GroupedGemm | None = None,
+    activation: str = "silu",
 ) -> GemmPair:
     """The backends for GEMM1 ([rows, H] x w1) and GEMM2 ([rows, I] x w2), through the registry.
 
@@ -206,7 +217,10 @@ def select_gemms(
     (`GroupedGemm.layout_alignment`) and GEMM2 must accept it too ("auto" moves on to a backend
     that does). `fused_act_quant` names a backend that then runs GEMM1 with act(gate) * up and
     the FP8 quantization fused (`GroupedGemm` with a `contiguous_act_quant` method), on the
-    segment multiple `gemm` chose.
+    segment multiple `gemm` chose. With `fused_act_quant="auto"` and `gemm="auto"`, GEMM1 is
+    fused where `fused_act_quant_preference` names a backend for GEMM1's problem and
+    `activation` and that backend accepts it, else not; "auto" beside a named `gemm` never
+    fuses (GEMM1 is then the backend asked for).
     """
 
     def problem(w: jax.Array, align: int | None) -> grouped_gemm.GemmProblem:
@@ -228,6 +242,14 @@ def select_gemms(
     if layout == "contiguous" and alignment is None:
         alignment = gemm1.layout_alignment(gemm1_problem)
     gemm2 = grouped_gemm.GEMMS.select(gemm, problem(weights.w2, alignment))
+    if fused_act_quant == AUTO:
+        fused_act_quant = None
+        if gemm == AUTO:
+            fused_problem = problem(weights.w1, alignment)
+            for name in fused_act_quant_preference(fused_problem, activation):
+                if grouped_gemm.GEMMS.get(name).unsupported_reason(fused_problem) is None:
+                    fused_act_quant = name
+                    break
     if fused_act_quant is None:
         return GemmPair(gemm1=gemm1, gemm2=gemm2, alignment=alignment)
     fused = grouped_gemm.GEMMS.select(fused_act_quant, problem(weights.w1, alignment))
@@ -238,6 +260,32 @@ def select_gemms(
             f"{list(FUSED_ACT_QUANT_GEMMS)} (contiguous layout)"
         )
     return GemmPair(gemm1=fused, gemm2=gemm2, alignment=alignment, fuses_act_quant=True)
+
+
+def fused_act_quant_preference(
+    problem: grouped_gemm.GemmProblem, activation: str
+) -> tuple[str, ...]:
+    """The fused GEMM1 backends `fused_act_quant="auto"` tries for GEMM1's `problem`, in order;
+    () runs GEMM1 and the act + quantization kernel apart.
+
+    The Mosaic GPU kernel ("mosaic_fp8") on a GPU, for FP8 GEMM1s on the contiguous layout in
+    whole 128-row segments (DeepGEMM's, what "auto" picks at prefill sizes; the kernel then
+    orders its tiles itself) with K up to `FUSED_ACT_QUANT_MAX_K` and an activation its epilogue
+    compiles (silu): there it was faster than DeepGEMM's GEMM1 and the act + quantization kernel,
+    and slower at larger K (the evidence beside `FUSED_ACT_QUANT_MAX_K`).
+    """
+    from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
+
+    is_fused = (
+        problem.platform == "gpu"
+        and problem.is_fp8
+        and problem.layout == "contiguous"
+        and problem.k <= FUSED_ACT_QUANT_MAX_K
+        and problem.alignment is not None
+        and problem.alignment % 128 == 0
+        and activation in COMPILED_ACTIVATIONS
+    )
+    return ("mosaic_fp8",) if is_fused else ()
 
 
 def intermediate_dtype(x_dtype, call: ExpertsCall):

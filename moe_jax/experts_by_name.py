@@ -30,11 +30,13 @@ def resolve_experts(experts: str | Experts) -> Experts:
     """An `Experts` object from a name (see `experts_names`) or the object itself.
 
     "auto" is `ContiguousExperts()`: every stage "auto", so the GEMM registry decides (DeepGEMM,
-    torch, Mosaic, then XLA on a GPU; XLA elsewhere). "xla" is the pure-XLA reference for every
-    stage, the backward's weight gradient included, on every platform. Another GEMM name is the
-    contiguous layout with that backend and automatic permute, activation and weight-gradient
-    implementations; "<gemm>_masked" is the masked layout with that backend; "<gemm>+<fused>"
-    the contiguous layout with GEMM1, act and quantization fused by <fused> (FP8 only).
+    torch, Mosaic, then XLA on a GPU; XLA elsewhere) and GEMM1 runs fused with act*up + quantize
+    where `moe_jax.experts.fused_act_quant_preference` says so. "xla" is the pure-XLA reference
+    for every stage, the backward's weight gradient included, on every platform. Another GEMM
+    name is the contiguous layout with that backend for both GEMMs (never fused) and automatic
+    permute, activation and weight-gradient implementations; "<gemm>_masked" is the masked
+    layout with that backend; "<gemm>+<fused>" the contiguous layout with GEMM1, act and
+    quantization fused by <fused> (FP8 only).
 
     Raises:
       ValueError: an unknown name (the message lists the valid ones).

@@ -320,3 +320,23 @@ def test_bench_table_columns_fit_the_longest_variant_name():
     # the "ms" column ends at the same place in the header and in every timed row
     assert short.index("0.900") + 5 == long.index("0.900") + 5 == header.index("ms") + 2
     assert lines[4].split() == ["B", "moe_jax_bf16", "skipped:", "no", "GPU"]
+
+
+@pytest.mark.slow
+def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage():
+    """With GEMM1 fused to act*up + quantize (here the interpret-mode kernel on the CPU) the
+    breakdown times it as one stage and feeds its FP8 output to GEMM2."""
+    from moe_jax.cli import layer_bench, stage_breakdown
+    from moe_jax.contiguous_experts import ContiguousExperts
+
+    layer = layer_bench.make_layer(layer_bench.SHAPES["small"])
+    experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant="mosaic_fp8_interpret")
+    rows = stage_breakdown.stage_breakdown(layer, iters=2, experts=experts)
+    assert [r["stage"] for r in rows] == [
+        "quantize x",
+        "permute",
+        "GEMM1 + act*up + quantize (mosaic_fp8_interpret)",
+        "GEMM2 (xla)",
+        "unpermute + reduce",
+    ]
+    assert all(r["ms"] > 0 for r in rows)

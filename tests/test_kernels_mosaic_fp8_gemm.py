@@ -22,6 +22,7 @@ import moe_jax.fp8_training
 import moe_jax.quant
 from moe_jax import grouped_gemm
 from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import FUSED_ACT_QUANT_MAX_K, fused_act_quant_preference
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.kernels import mosaic_fp8_gemm as mg
@@ -703,6 +704,97 @@ def test_fused_first_gemm_refusals():
     experts = ContiguousExperts(gemm="xla", fused_act_quant="mosaic_fp8_interpret")
     with pytest.raises(NoImplementationError, match="FP8 operands only"):
         fused_moe(x, w1, w2, weights, ids, experts=experts)
+
+
+def _gemm1_problem(**changes) -> GemmProblem:
+    """Shape B's GEMM1 on a GPU (T=8192 k=8 E=128 H=2048 I=768) on DeepGEMM's segments."""
+    base = dict(
+        layout="contiguous",
+        n=2 * 768,
+        k=2048,
+        num_experts=128,
+        num_pairs=8192 * 8,
+        x_dtype="float8_e4m3fn",
+        w_dtype="float8_e4m3fn",
+        platform="gpu",
+        alignment=128,
+    )
+    return GemmProblem(**{**base, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes, activation, fused",
+    [
+        ({}, "silu", ("mosaic_fp8",)),  # shape B: fused
+        (dict(k=1024), "silu", ("mosaic_fp8",)),
+        (dict(k=FUSED_ACT_QUANT_MAX_K + 128), "silu", ()),  # larger H: DeepGEMM's GEMM1 wins
+        (dict(k=7168, n=4096, num_experts=32), "silu", ()),  # shape A
+        (dict(alignment=64), "silu", ()),  # the Mosaic GEMM's decode-size segments: not timed
+        (dict(alignment=None), "silu", ()),
+        ({}, "gelu", ()),  # no compiled epilogue
+        (dict(platform="cpu"), "silu", ()),
+        (dict(x_dtype="bfloat16", w_dtype="bfloat16"), "silu", ()),
+        (dict(layout="masked"), "silu", ()),
+    ],
+)
+def test_auto_fuses_the_first_gemm_where_it_was_measured_faster(changes, activation, fused):
+    assert fused_act_quant_preference(_gemm1_problem(**changes), activation) == fused
+
+
+def _fp8_layer(seed: int):
+    rng = np.random.default_rng(seed)
+    num_experts, hidden, inter, topk, num_tokens = 4, 256, 256, 2, 70
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
+    ids = jnp.asarray(rng.integers(-1, num_experts + 1, (num_tokens, topk)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
+    w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
+    w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
+    return (x, w1, w2, weights, ids), dict(w1_scale=s1, w2_scale=s2)
+
+
+def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
+    """`ContiguousExperts()` ("auto" GEMMs, `fused_act_quant="auto"`) fuses GEMM1 where the
+    preference names a backend that accepts the problem, and runs the same layer as the unfused
+    experts within one FP8 step of the requantization. On the CPU the preference is pointed at
+    the interpret-mode kernel (the GPU's rule never fuses there); a named GEMM, a training recipe
+    or `fused_act_quant=None` never fuse."""
+    import moe_jax.experts
+
+    def interpret_where_gpu_would(problem, activation):
+        on_gpu = dataclasses.replace(problem, platform="gpu")
+        return ("mosaic_fp8_interpret",) if fused_act_quant_preference(on_gpu, activation) else ()
+
+    monkeypatch.setattr(moe_jax.experts, "fused_act_quant_preference", interpret_where_gpu_would)
+    args, scales = _fp8_layer(oracles.seed("auto_fused_first_gemm"))
+    weights = moe_jax.experts.ExpertWeights(
+        w1=args[1], w2=args[2], w1_scale=scales["w1_scale"], w2_scale=scales["w2_scale"]
+    )
+    sizes = dict(num_tokens=70, topk=2, x_dtype=jnp.float8_e4m3fn)
+    auto = ContiguousExperts(alignment=128)
+    assert auto.fused_act_quant == "auto"
+    gemms = auto.select_gemms(weights, **sizes)
+    assert gemms.fuses_act_quant and gemms.gemm1.name == "mosaic_fp8_interpret"
+    assert gemms.gemm2.name == "xla"
+    assert not auto.select_gemms(weights, **sizes, activation="gelu").fuses_act_quant
+    assert not ContiguousExperts().select_gemms(weights, **sizes).fuses_act_quant  # xla's 16 rows
+    unfused = [
+        ContiguousExperts(gemm="xla", alignment=128),
+        ContiguousExperts(alignment=128, fused_act_quant=None),
+    ]
+    for experts in unfused:
+        assert not experts.select_gemms(weights, **sizes).fuses_act_quant, experts
+    # the FP8 training recipe's GEMMs are FP8 problems too, on bf16 master weights
+    master = moe_jax.experts.ExpertWeights(
+        w1=args[1].astype(jnp.bfloat16), w2=args[2].astype(jnp.bfloat16)
+    )
+    recipe = ContiguousExperts(alignment=128, recipe=moe_jax.fp8_training.Fp8Training())
+    gemms = recipe.select_gemms(master, **{**sizes, "x_dtype": jnp.bfloat16})
+    assert not gemms.fuses_act_quant
+    got = np.asarray(fused_moe(*args, experts=auto, **scales), np.float64)
+    want = np.asarray(fused_moe(*args, experts=unfused[1], **scales), np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
 def test_act_quant_heuristic_config_takes_pairs_on_128_row_segments():

@@ -11,14 +11,17 @@ Variants (each runs where it can; the table says why one did not):
   jax_mosaic_bf16       argsort + JAX's Mosaic GPU ragged_dot kernel (GPU)
   torch_deep_gemm_fp8   torch glue (sort, index, quantize in torch ops) + DeepGEMM FP8 (GPU)
   moe_jax_bf16          fused_moe(experts="auto") on bf16 weights
-  moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights
-  moe_jax_fp8_graph     the same with DeepGEMM calls XLA may capture into a CUDA graph
-                        (`DeepGemmConfig(command_buffer_compatible=True)`; GPU; runs only when
-                        named in --variants, best with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
-                        set before the process starts)
+  moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights (on a Hopper GPU with
+                        H <= 2048 its GEMM1 is the fused one below, `ContiguousExperts`)
+  moe_jax_fp8_unfused   the same with GEMM1 and the act + quantization kernel apart
+                        (`ContiguousExperts(fused_act_quant=None)`; runs only when named)
+  moe_jax_fp8_graph     DeepGEMM for both GEMMs (never fused) with calls XLA may capture into a
+                        CUDA graph (`DeepGemmConfig(command_buffer_compatible=True)`; GPU; runs
+                        only when named in --variants, best with
+                        XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 set before the process starts)
   moe_jax_fp8_fused_act FP8 with GEMM1, act(gate) * up and the quantization in one Mosaic GPU
-                        kernel (`ContiguousExperts(fused_act_quant="mosaic_fp8")`, 128-row
-                        segments; Hopper; runs only when named in --variants)
+                        kernel at every H (`ContiguousExperts(fused_act_quant="mosaic_fp8")`,
+                        128-row segments; Hopper; runs only when named in --variants)
   moe_jax_fp8_fused_act_graph
                         both: the fused GEMM1 and a GEMM2 XLA may capture (only when named;
                         the XLA_FLAGS above apply)
@@ -88,21 +91,24 @@ class Fp8Variant:
     """How one moe_jax FP8 variant builds its experts.
 
     Attributes:
-      fused_act_quant: `ContiguousExperts(fused_act_quant=...)` (with 128-row segments), or None.
+      fused_act_quant: "auto" (`fused_moe(experts="auto")`), None (`ContiguousExperts` never
+        fused) or a fused GEMM1 backend (`ContiguousExperts(fused_act_quant=...)` with 128-row
+        segments).
       is_graph: DeepGEMM calls XLA may capture into a CUDA graph (`_graph_experts`).
       fused_config: `MosaicFp8GemmConfig` fields changed from the fused GEMM1's heuristic
         config for the layer's layout, as (name, value) pairs (`_fused_gemm`); () keeps the
         backend's own choice per call.
     """
 
-    fused_act_quant: str | None = None
+    fused_act_quant: str | None = "auto"
     is_graph: bool = False
     fused_config: tuple[tuple[str, object], ...] = ()
 
 
 FP8_VARIANTS = {
     "moe_jax_fp8": Fp8Variant(),
-    "moe_jax_fp8_graph": Fp8Variant(is_graph=True),
+    "moe_jax_fp8_unfused": Fp8Variant(fused_act_quant=None),
+    "moe_jax_fp8_graph": Fp8Variant(fused_act_quant=None, is_graph=True),
     "moe_jax_fp8_fused_act": Fp8Variant(fused_act_quant="mosaic_fp8"),
     "moe_jax_fp8_fused_act_graph": Fp8Variant(fused_act_quant="mosaic_fp8", is_graph=True),
     "moe_jax_fp8_fused_act_skipping": Fp8Variant(
@@ -218,7 +224,7 @@ def jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         variant = FP8_VARIANTS[name]
         fused = variant.fused_act_quant
         experts = "auto"
-        if fused is not None and jax.default_backend() != "gpu":
+        if fused not in (None, "auto") and jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
         if variant.fused_config:
             fused = _fused_gemm(layer, dict(variant.fused_config))
@@ -226,7 +232,9 @@ def jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
             experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
                 return experts
-        elif fused is not None:
+        elif fused is None:
+            experts = ContiguousExperts(fused_act_quant=None)
+        elif fused != "auto":
             experts = ContiguousExperts(alignment=128, fused_act_quant=fused)
         fp8_args = (
             layer.x,

@@ -62,15 +62,23 @@ def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[
         prepared,
         weights,
     )
-    h = timed(
-        f"GEMM1 ({gemms.gemm1.name})",
-        lambda lay, w: chosen.first_gemm(lay, w, gemms=gemms, call=call),
-        lay,
-        weights,
-    )
-    a, a_scales = timed(
-        "act*up + quantize", lambda h, lay: chosen.activate(h, call, lay, gemms=gemms), h, lay
-    )
+    if gemms.fuses_act_quant:
+        a, a_scales = timed(
+            f"GEMM1 + act*up + quantize ({gemms.gemm1.name})",
+            lambda lay, w: chosen.first_gemm_act_quant(lay, w, gemms=gemms, call=call),
+            lay,
+            weights,
+        )
+    else:
+        h = timed(
+            f"GEMM1 ({gemms.gemm1.name})",
+            lambda lay, w: chosen.first_gemm(lay, w, gemms=gemms, call=call),
+            lay,
+            weights,
+        )
+        a, a_scales = timed(
+            "act*up + quantize", lambda h, lay: chosen.activate(h, call, lay, gemms=gemms), h, lay
+        )
     y = timed(
         f"GEMM2 ({gemms.gemm2.name})",
         lambda a, s, lay, w: chosen.second_gemm(a, s, lay, w, gemms=gemms, call=call),
