@@ -642,16 +642,11 @@ def test_act_quant_no_rows_and_no_gradient():
         jax.grad(loss)(jnp.zeros((64, 128), jnp.float32).astype(jnp.float8_e4m3fn))
 
 
-@pytest.mark.parametrize(
-    "gemm", ["mosaic_fp8_interpret", pytest.param("deep_gemm", marks=pytest.mark.gpu)]
-)
-def test_fused_moe_with_the_fused_first_gemm(gemm):
-    """The layer with GEMM1 + act + quantization fused (`ContiguousExperts(fused_act_quant=)`,
-    also by name "<gemm>+<fused>"), against the same layer unfused, within one FP8 step of the
-    requantization (DeepGEMM's GEMM2 on the GPU; in interpret mode bit for bit on jax 0.10.2's
-    CPU backend, not on 0.11.2's: see the kernel test above)."""
-    fused = "mosaic_fp8_interpret" if gemm.endswith("interpret") else "mosaic_fp8"
-    rng = np.random.default_rng(oracles.seed("fused_first_gemm", gemm))
+def _fp8_layer(seed: int):
+    """A small FP8 layer ((x, w1, w2, topk_weights, topk_ids), scales): 70 tokens of top-2 over
+    4 experts, H = I = 256, ids from -1 to E (outside the range both ways), negative weights,
+    token 0 routed to expert 2 twice."""
+    rng = np.random.default_rng(seed)
     num_experts, hidden, inter, topk, num_tokens = 4, 256, 256, 2, 70
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
@@ -661,9 +656,21 @@ def test_fused_moe_with_the_fused_first_gemm(gemm):
     weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
     w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
     w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
-    scales = dict(w1_scale=s1, w2_scale=s2)
-    got = fused_moe(x, w1, w2, weights, ids, experts=f"{gemm}+{fused}", **scales)
-    want = fused_moe(x, w1, w2, weights, ids, experts=ContiguousExperts(gemm=gemm), **scales)
+    return (x, w1, w2, weights, ids), dict(w1_scale=s1, w2_scale=s2)
+
+
+@pytest.mark.parametrize(
+    "gemm", ["mosaic_fp8_interpret", pytest.param("deep_gemm", marks=pytest.mark.gpu)]
+)
+def test_fused_moe_with_the_fused_first_gemm(gemm):
+    """The layer with GEMM1 + act + quantization fused (`ContiguousExperts(fused_act_quant=)`,
+    also by name "<gemm>+<fused>"), against the same layer unfused, within one FP8 step of the
+    requantization (DeepGEMM's GEMM2 on the GPU; in interpret mode bit for bit on jax 0.10.2's
+    CPU backend, not on 0.11.2's: see the kernel test above)."""
+    fused = "mosaic_fp8_interpret" if gemm.endswith("interpret") else "mosaic_fp8"
+    args, scales = _fp8_layer(oracles.seed("fused_first_gemm", gemm))
+    got = fused_moe(*args, experts=f"{gemm}+{fused}", **scales)
+    want = fused_moe(*args, experts=ContiguousExperts(gemm=gemm), **scales)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
@@ -672,20 +679,11 @@ def test_fused_first_gemm_by_object_takes_its_config():
     """`ContiguousExperts(fused_act_quant=MosaicFp8Gemm(config))`: the fused GEMM1 with the given
     tiles (here skipping all-padding row blocks on 128-row segments) in the layer, within one FP8
     step of the requantization of the XLA experts (interpret mode)."""
-    rng = np.random.default_rng(oracles.seed("fused_first_gemm_object"))
-    num_experts, hidden, inter, topk, num_tokens = 4, 256, 256, 2, 70
-    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
-    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
-    ids = jnp.asarray(rng.integers(-1, num_experts + 1, (num_tokens, topk)), jnp.int32)
-    weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
-    w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
-    w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
-    scales = dict(w1_scale=s1, w2_scale=s2)
+    args, scales = _fp8_layer(oracles.seed("fused_first_gemm_object"))
     fused = mg.MosaicFp8Gemm(PAIRS_SKIPPING, interpret=True)
     experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant=fused)
-    got = np.asarray(fused_moe(x, w1, w2, weights, ids, experts=experts, **scales), np.float64)
-    want = np.asarray(fused_moe(x, w1, w2, weights, ids, experts="xla", **scales), np.float64)
+    got = np.asarray(fused_moe(*args, experts=experts, **scales), np.float64)
+    want = np.asarray(fused_moe(*args, experts="xla", **scales), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
@@ -739,19 +737,6 @@ def _gemm1_problem(**changes) -> GemmProblem:
 )
 def test_auto_fuses_the_first_gemm_where_it_was_measured_faster(changes, activation, fused):
     assert fused_act_quant_preference(_gemm1_problem(**changes), activation) == fused
-
-
-def _fp8_layer(seed: int):
-    rng = np.random.default_rng(seed)
-    num_experts, hidden, inter, topk, num_tokens = 4, 256, 256, 2, 70
-    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
-    w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
-    ids = jnp.asarray(rng.integers(-1, num_experts + 1, (num_tokens, topk)), jnp.int32)
-    weights = jnp.asarray(rng.uniform(-1.0, 1.0, (num_tokens, topk)), jnp.float32)
-    w1, s1 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w1)
-    w2, s2 = jax.jit(moe_jax.quant.per_block_quant_fp8)(w2)
-    return (x, w1, w2, weights, ids), dict(w1_scale=s1, w2_scale=s2)
 
 
 def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
