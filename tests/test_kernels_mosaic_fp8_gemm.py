@@ -704,20 +704,8 @@ def test_fused_first_gemm_refusals():
         fused_moe(x, w1, w2, weights, ids, experts=experts)
 
 
-def _gemm1_problem(**changes) -> GemmProblem:
-    """Shape B's GEMM1 on a GPU (T=8192 k=8 E=128 H=2048 I=768) on DeepGEMM's segments."""
-    base = dict(
-        layout="contiguous",
-        n=2 * 768,
-        k=2048,
-        num_experts=128,
-        num_pairs=8192 * 8,
-        x_dtype="float8_e4m3fn",
-        w_dtype="float8_e4m3fn",
-        platform="gpu",
-        alignment=128,
-    )
-    return GemmProblem(**{**base, **changes})
+# shape B's GEMM1 (T=8192 k=8 E=128 H=2048 I=768) on DeepGEMM's 128-row segments
+SHAPE_B_GEMM1 = dict(n=2 * 768, k=2048, num_experts=128, num_pairs=8192 * 8, alignment=128)
 
 
 @pytest.mark.parametrize(
@@ -736,7 +724,8 @@ def _gemm1_problem(**changes) -> GemmProblem:
     ],
 )
 def test_auto_fuses_the_first_gemm_where_it_was_measured_faster(changes, activation, fused):
-    assert fused_act_quant_preference(_gemm1_problem(**changes), activation) == fused
+    problem = _gemm_problem(**{**SHAPE_B_GEMM1, **changes})
+    assert fused_act_quant_preference(problem, activation) == fused
 
 
 def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
