@@ -86,8 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _refuse(problem)
     if args.train:
         if args.breakdown or args.tokens is not None:
-            print("--breakdown and --tokens do not apply to --train", file=sys.stderr)
-            return 2
+            return _refuse("--breakdown and --tokens do not apply to --train")
         from moe_jax.cli.train_bench import run_train_bench
 
         return run_train_bench(
@@ -99,8 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if args.decode:
         if args.shapes or args.breakdown:
-            print("--shapes and --breakdown do not apply to --decode", file=sys.stderr)
-            return 2
+            return _refuse("--shapes and --breakdown do not apply to --decode")
         from moe_jax.cli.decode_bench import run_decode_bench
 
         return run_decode_bench(
@@ -111,8 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
             variants=args.variants,
         )
     if args.tokens is not None:
-        print("--tokens applies to bench --decode only", file=sys.stderr)
-        return 2
+        return _refuse("--tokens applies to bench --decode only")
     from moe_jax.cli.layer_bench import run_layer_bench
 
     return run_layer_bench(
