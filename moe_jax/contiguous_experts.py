@@ -69,7 +69,7 @@ class ContiguousExperts(Experts):
         `moe_jax.experts.FUSED_ACT_QUANT_MAX_K` (2048). There, beside DeepGEMM's GEMM2, it takes
         12-16 us off shape B's device span per forward on the H200 (858-868 us against 871-883,
         2026-12-04) and 4-9% off the forward on an H100 at H=1024-2048 (2026-12-05); at shape A
-        (H=7168) it is 8-17% slower (BENCHMARKS.md, "Prefill").
+        (H=7168) it is 7-17% slower (BENCHMARKS.md, "Prefill").
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
