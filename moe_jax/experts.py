@@ -242,17 +242,15 @@ def select_gemms(
     if layout == "contiguous" and alignment is None:
         alignment = gemm1.layout_alignment(gemm1_problem)
     gemm2 = grouped_gemm.GEMMS.select(gemm, problem(weights.w2, alignment))
+    fused_problem = problem(weights.w1, alignment)
     if fused_act_quant == AUTO:
-        fused_act_quant = None
-        if gemm == AUTO:
-            fused_problem = problem(weights.w1, alignment)
-            for name in fused_act_quant_preference(fused_problem, activation):
-                if grouped_gemm.GEMMS.get(name).unsupported_reason(fused_problem) is None:
-                    fused_act_quant = name
-                    break
-    if fused_act_quant is None:
+        fused = _auto_fused_gemm(gemm, fused_problem, activation)
+    elif fused_act_quant is not None:
+        fused = grouped_gemm.GEMMS.select(fused_act_quant, fused_problem)
+    else:
+        fused = None
+    if fused is None:
         return GemmPair(gemm1=gemm1, gemm2=gemm2, alignment=alignment)
-    fused = grouped_gemm.GEMMS.select(fused_act_quant, problem(weights.w1, alignment))
     if layout != "contiguous" or not callable(getattr(fused, "contiguous_act_quant", None)):
         raise ValueError(
             f"fused_act_quant={fused_act_quant!r}: the backend has no GEMM1 with a fused act + "
@@ -260,6 +258,20 @@ def select_gemms(
             f"{list(FUSED_ACT_QUANT_GEMMS)} (contiguous layout)"
         )
     return GemmPair(gemm1=fused, gemm2=gemm2, alignment=alignment, fuses_act_quant=True)
+
+
+def _auto_fused_gemm(
+    gemm: str | grouped_gemm.GroupedGemm, problem: grouped_gemm.GemmProblem, activation: str
+) -> grouped_gemm.GroupedGemm | None:
+    """`fused_act_quant="auto"`'s fused GEMM1 backend: with `gemm="auto"`, the first of
+    `fused_act_quant_preference` that accepts GEMM1's `problem`; None runs GEMM1 unfused."""
+    if gemm != AUTO:
+        return None
+    for name in fused_act_quant_preference(problem, activation):
+        backend = grouped_gemm.GEMMS.get(name)
+        if backend.unsupported_reason(problem) is None:
+            return backend
+    return None
 
 
 def fused_act_quant_preference(
