@@ -2,7 +2,8 @@
 # On the GPU host, after `source .gpu/install.sh` (see ../shared/device/stage):
 #   bash scripts/gpu_check.sh suite [pytest args]    the whole test suite, every marker (a
 #       pytest-xdist worker per 12 GiB of GPU memory, at most 8, where xdist is installed, else
-#       one process); args select a part
+#       one process); args select a part. MOE_JAX_SUITE_LIMIT_S=N stops it after N s, and
+#       scripts/test_log.py then says which tests were still running and which took longest
 #   bash scripts/gpu_check.sh sanitize [memcheck|racecheck] [--shape b|tiny] [kernel ...]
 #       compute-sanitizer on the Pallas kernels (both tools by default, shape B by default;
 #       `python3 scripts/sanitize_kernels.py --list`)
@@ -43,7 +44,18 @@ case "$mode" in
     else
       echo "pytest-xdist is not installed: running the suite in one process" | tee "$out/pytest.log"
     fi
-    python3 -m pytest -q ${workers[@]+"${workers[@]}"} --durations=15 "$@" 2>&1 | tee -a "$out/pytest.log"
+    # each test's start and end to a log (tests/conftest.py), read back below: a run cut short
+    # still says which tests were running; MOE_JAX_SUITE_LIMIT_S=N interrupts pytest after N s
+    # (SIGINT: it still prints its summary), inside the device tool's limit per command
+    export MOE_JAX_TEST_LOG="$out/test_log.tsv"
+    rm -f "$MOE_JAX_TEST_LOG"
+    limit=()
+    [ -n "${MOE_JAX_SUITE_LIMIT_S:-}" ] && limit=(timeout -s INT -k 30 "$MOE_JAX_SUITE_LIMIT_S")
+    ${limit[@]+"${limit[@]}"} python3 -m pytest -q ${workers[@]+"${workers[@]}"} --durations=15 \
+      "$@" 2>&1 | tee -a "$out/pytest.log"
+    status=${PIPESTATUS[0]}
+    python3 scripts/test_log.py "$MOE_JAX_TEST_LOG" 2>&1 | tee -a "$out/pytest.log"
+    exit "$status"
     ;;
   sanitize)
     sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")

@@ -323,9 +323,10 @@ def test_bench_table_columns_fit_the_longest_variant_name():
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic_interpret  # the interpret-mode kernel: on a GPU host, on its CPU device
 def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage():
-    """With GEMM1 fused to act*up + quantize (here the interpret-mode kernel on the CPU) the
-    breakdown times it as one stage and feeds its FP8 output to GEMM2."""
+    """With GEMM1 fused to act*up + quantize (here the interpret-mode kernel, on the CPU device)
+    the breakdown times it as one stage and feeds its FP8 output to GEMM2."""
     from moe_jax.cli import layer_bench, stage_breakdown
     from moe_jax.contiguous_experts import ContiguousExperts
 
