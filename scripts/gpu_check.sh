@@ -22,10 +22,16 @@
 #       ncu profiles dies now and then (segmentation fault, before the profiled range: 10 of 13
 #       runs on H100s on 2026-12-05, every run of the plain path, with and without XLA's
 #       autotuner and command buffers; cause not found), so each ncu run is tried up to 3 times
+#   bash scripts/gpu_check.sh baseline [bench args]   today's code against an earlier commit's
+#       (`bash scripts/baseline_tree.sh COMMIT` here first, then carry .baseline): `bench` (by
+#       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
+#       MOE_JAX_BASELINE_ROUNDS times (2), then scripts/bench_ratio.py's table of current /
+#       baseline: a ratio that carries to issues whose figures came from another card
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 export PYTHONUNBUFFERED=1
 # Several JAX processes (xdist workers, torch beside JAX) share the GPU: allocate on demand.
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
@@ -166,8 +172,32 @@ case "$mode" in
     done
     exit "$status"
     ;;
+  baseline)
+    # today's code against an earlier commit's, in alternating `bench` runs on this machine
+    base="${MOE_JAX_BASELINE_DIR:-.baseline}"
+    [ -f "$base/COMMIT" ] || {
+      echo "no $base/COMMIT: run bash scripts/baseline_tree.sh COMMIT where the repository is" \
+        "and carry .baseline" >&2
+      exit 2
+    }
+    bench_args=("$@")
+    [ ${#bench_args[@]} -gt 0 ] || bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
+    echo "baseline: $(cat "$base/COMMIT"); bench ${bench_args[*]}" | tee "$out/baseline.log"
+    status=0
+    for round in $(seq -w "${MOE_JAX_BASELINE_ROUNDS:-2}"); do
+      # inside the baseline folder its moe_jax is the one imported (the working directory
+      # comes first on sys.path), the installed one otherwise
+      (cd "$base" && python3 -m moe_jax bench "${bench_args[@]}" --json "$out/baseline_$round.json") \
+        2>&1 | tee -a "$out/baseline.log" || status=1
+      python3 -m moe_jax bench "${bench_args[@]}" --json "$out/current_$round.json" 2>&1 \
+        | tee -a "$out/baseline.log" || status=1
+    done
+    python3 scripts/bench_ratio.py --baseline "$out"/baseline_*.json \
+      --current "$out"/current_*.json 2>&1 | tee -a "$out/baseline.log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|epilogue (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|epilogue|baseline (see the top of this file)" >&2
     exit 2
     ;;
 esac
