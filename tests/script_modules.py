@@ -1,14 +1,18 @@
-"""Imports a file of scripts/ (not a package) as a module for its test, for one test module."""
+"""scripts/ for their tests: a file of it (not a package) imported as a module for one test module,
+or a command run at the repository root as the GPU host runs it."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
 from collections.abc import Iterator
 from types import ModuleType
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
 
 
 def loaded(name: str) -> Iterator[ModuleType]:
@@ -20,3 +24,20 @@ def loaded(name: str) -> Iterator[ModuleType]:
     spec.loader.exec_module(module)
     yield module
     del sys.modules[name]
+
+
+def run_at_root(
+    argv: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """Runs `argv` in the repository root with the environment `env` added to this process's
+    (this Python's folder first on PATH, so `python3` in a script is this interpreter), output
+    captured as text."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, "PATH": path, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -4,16 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 import script_modules
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -68,34 +62,25 @@ def test_unusable_inputs_are_named(ratio, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout"
+    shutil.which("git") is None or not (script_modules.ROOT / ".git").exists(),
+    reason="needs a git checkout",
 )
 def test_gpu_check_baseline_times_the_baseline_tree_then_the_current_code(tmp_path):
     """The baseline tree of HEAD, marked so that its import shows in the log, against the
     installed code: one round of `bench` at the small shape on this machine's JAX backend."""
     tree = tmp_path / "baseline"
-    subprocess.run(
-        ["bash", "scripts/baseline_tree.sh", "HEAD", str(tree)], cwd=ROOT, check=True, timeout=60
+    made = script_modules.run_at_root(
+        ["bash", "scripts/baseline_tree.sh", "HEAD", str(tree)], {}, 60
     )
+    assert made.returncode == 0, made.stderr
     assert (tree / "COMMIT").read_text().strip() and (tree / "moe_jax" / "kernels").is_dir()
     with open(tree / "moe_jax" / "__init__.py", "a", encoding="utf-8") as init:
         init.write('\nprint("imported the baseline tree")\n')
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-        "OUT": str(out),
-        "MOE_JAX_BASELINE_DIR": str(tree),
-        "MOE_JAX_BASELINE_ROUNDS": "1",
-    }
+    env = {"OUT": str(out), "MOE_JAX_BASELINE_DIR": str(tree), "MOE_JAX_BASELINE_ROUNDS": "1"}
     bench = ["--shapes", "small", "--variants", "jax_ragged_dot_bf16", "--iters", "1"]
-    done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "baseline", *bench],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = script_modules.run_at_root(
+        ["bash", "scripts/gpu_check.sh", "baseline", *bench], env, timeout=600
     )
     assert done.returncode == 0, done.stdout + done.stderr
     log = (out / "baseline.log").read_text()
@@ -109,14 +94,7 @@ def test_gpu_check_baseline_times_the_baseline_tree_then_the_current_code(tmp_pa
 
 
 def test_gpu_check_baseline_without_a_tree_says_how_to_make_one(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "MOE_JAX_BASELINE_DIR": str(tmp_path / "none")}
-    done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "baseline"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    env = {"OUT": str(tmp_path), "MOE_JAX_BASELINE_DIR": str(tmp_path / "none")}
+    done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "baseline"], env, 60)
     assert done.returncode == 2
     assert "bash scripts/baseline_tree.sh COMMIT" in done.stderr

@@ -3,15 +3,10 @@ scripts/test_log.py, which says which tests a run cut short left running and whi
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
 import sys
 
 import pytest
 import script_modules
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +87,8 @@ def test_conftest_writes_a_line_when_each_test_starts_and_ends(log_script, tmp_p
         "tests/test_test_log.py::test_unfinished_tests_and_the_slowest_are_named",
         "tests/test_test_log.py::test_bad_logs_and_arguments_are_named",
     ]
-    env = {**os.environ, "MOE_JAX_TEST_LOG": str(log)}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected]
+    done = script_modules.run_at_root(argv, {"MOE_JAX_TEST_LOG": str(log)}, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = log.read_text().splitlines()
     assert [line.split("\t")[2:5:2] for line in lines] == [
