@@ -50,7 +50,7 @@ case "$mode" in
     else
       echo "pytest-xdist is not installed: running the suite in one process" | tee "$out/pytest.log"
     fi
-    # each test's start and end to a log (tests/conftest.py), read back below: a run cut short
+    # each test's start and end to a log (tests/suite_log.py), read back below: a run cut short
     # still says which tests were running; MOE_JAX_SUITE_LIMIT_S=N interrupts pytest after N s
     # (SIGINT: it still prints its summary), inside the device tool's limit per command
     export MOE_JAX_TEST_LOG="$out/test_log.tsv"

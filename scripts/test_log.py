@@ -1,13 +1,15 @@
 """What a test run's log says: which tests were still running when it stopped, which took longest.
 
-    MOE_JAX_TEST_LOG=tests.log python3 -m pytest -n 8 ...     # tests/conftest.py writes the log
+    MOE_JAX_TEST_LOG=tests.log python3 -m pytest -n 8 ...     # tests/suite_log.py writes the log
     python3 scripts/test_log.py tests.log [--top N]
 
-The log has a tab-separated line when each test starts and when it ends (wall clock in seconds,
-xdist worker, "start" or "end", seconds the test took or "-", node id). A run stopped by a time
-limit prints no pytest summary; this says which tests it left unfinished (and for how long they
-had been running at the log's last line) and the slowest finished ones, with each worker's busy
-time. `bash scripts/gpu_check.sh suite` writes the log and runs this after pytest.
+The log has a tab-separated line when each test starts and when it ends (tests/suite_log.py
+says the format): "end", or "stop" where the run was interrupted inside the test. A run stopped
+by a time limit may print no pytest summary; this says which tests it left unfinished (still
+running when the log ends, with how long they had run by its last line, or stopped while
+running) and the slowest that ended, with each worker's test count and busy time. `bash
+scripts/gpu_check.sh suite` writes the log and runs this after pytest. Exit status 1 when a
+test did not end, 2 for a log it cannot read.
 """
 
 from __future__ import annotations
@@ -19,20 +21,26 @@ import sys
 
 @dataclasses.dataclass(frozen=True)
 class LoggedTest:
-    """One test in the log: `seconds` is None for a test that never ended."""
+    """One test in the log: `seconds` is None for a test still running when the log ends;
+    `stopped` marks one the run was interrupted in (its seconds are those it ran)."""
 
     nodeid: str
     worker: str
     started: float
     seconds: float | None
+    stopped: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.seconds is not None and not self.stopped
 
 
 def read_log(lines: list[str]) -> tuple[list[LoggedTest], float]:
     """The log's tests in start order, and the wall clock of its last line (0.0 if empty).
 
-    An "end" closes the last open "start" of the same worker and node id (a test run twice, say
-    by a rerun plugin, is two entries). A line that is not five tab-separated fields (say, one
-    cut short by a killed run) raises ValueError naming its line number."""
+    An "end" or "stop" closes the last open "start" of the same worker and node id (a test run
+    twice, say by a rerun plugin, is two entries). A line that is not five tab-separated fields
+    (say, one cut short by a killed run) raises ValueError naming its line number."""
     runs: list[LoggedTest] = []
     open_runs: dict[tuple[str, str], int] = {}  # (worker, node id) -> index into runs
     last = 0.0
@@ -40,7 +48,7 @@ def read_log(lines: list[str]) -> tuple[list[LoggedTest], float]:
         if not line.strip():
             continue
         fields = line.rstrip("\n").split("\t")
-        if len(fields) != 5 or fields[2] not in ("start", "end"):
+        if len(fields) != 5 or fields[2] not in ("start", "end", "stop"):
             raise ValueError(f"line {number}: not a test log line: {line.rstrip()!r}")
         clock, worker, event, seconds, nodeid = fields
         last = max(last, float(clock))
@@ -49,26 +57,33 @@ def read_log(lines: list[str]) -> tuple[list[LoggedTest], float]:
             runs.append(LoggedTest(nodeid, worker, started=float(clock), seconds=None))
         elif (worker, nodeid) in open_runs:
             index = open_runs.pop((worker, nodeid))
-            runs[index] = dataclasses.replace(runs[index], seconds=float(seconds))
+            runs[index] = dataclasses.replace(
+                runs[index], seconds=float(seconds), stopped=event == "stop"
+            )
         else:
             raise ValueError(f"line {number}: {nodeid} ends on {worker} without a start")
     return sorted(runs, key=lambda run: run.started), last
 
 
 def summary(runs: list[LoggedTest], last: float, top: int = 15) -> str:
-    """The unfinished tests (longest running first), the `top` slowest finished ones and each
-    worker's test count and busy seconds, as text."""
-    unfinished = sorted((run for run in runs if run.seconds is None), key=lambda run: run.started)
-    finished = sorted(
-        (run for run in runs if run.seconds is not None), key=lambda run: -run.seconds
-    )
-    out = [f"{len(runs)} tests started, {len(finished)} ended, {len(unfinished)} still running"]
-    if unfinished:
+    """The tests that did not end (still running, longest first; stopped while running), the
+    `top` slowest that ended and each worker's test count and busy seconds, as text."""
+    running = [run for run in runs if run.seconds is None]  # in start order: longest first
+    stopped = [run for run in runs if run.stopped]
+    ended = sorted((run for run in runs if run.ended), key=lambda run: -run.seconds)
+    out = [
+        f"{len(runs)} tests started, {len(ended)} ended, {len(running)} still running, "
+        f"{len(stopped)} stopped while running"
+    ]
+    if running:
         out.append("still running when the log ends (seconds so far, worker, test):")
-        out += [f"  {last - run.started:8.1f}  {run.worker:6}  {run.nodeid}" for run in unfinished]
-    if finished and top:
-        out.append(f"slowest {min(top, len(finished))} that ended (seconds, worker, test):")
-        out += [f"  {run.seconds:8.1f}  {run.worker:6}  {run.nodeid}" for run in finished[:top]]
+        out += [f"  {last - run.started:8.1f}  {run.worker:6}  {run.nodeid}" for run in running]
+    if stopped:
+        out.append("stopped while running (seconds run, worker, test):")
+        out += [f"  {run.seconds:8.1f}  {run.worker:6}  {run.nodeid}" for run in stopped]
+    if ended and top:
+        out.append(f"slowest {min(top, len(ended))} that ended (seconds, worker, test):")
+        out += [f"  {run.seconds:8.1f}  {run.worker:6}  {run.nodeid}" for run in ended[:top]]
     workers: dict[str, list[float]] = {}
     for run in runs:
         busy = run.seconds if run.seconds is not None else last - run.started
@@ -92,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.log}: {err}", file=sys.stderr)
         return 2
     print(summary(runs, last, top=args.top))
-    return 1 if any(run.seconds is None for run in runs) else 0
+    return 0 if all(run.ended for run in runs) else 1
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@
   shared memory and barriers run as host callbacks: on an H200 host's GPU device one such test
   did not finish in 120 s, against 3.6 s on its CPU device (2026-12-03). On GPU hosts they run on
   the CPU device too; their GPU-marked parameters stay on the GPU.
-- `MOE_JAX_TEST_LOG=FILE` appends a line when each test starts and when it ends (wall clock,
-  xdist worker, seconds, node id), so a run stopped by a time limit still says which tests were
-  running and which took longest: `python3 scripts/test_log.py FILE` reads it.
+- `MOE_JAX_TEST_LOG=FILE` appends a line when each test starts and when it ends (the plugin
+  tests/suite_log.py), so a run stopped by a time limit still says which tests were running and
+  which took longest: `python3 scripts/test_log.py FILE` reads it.
 """
 
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
@@ -37,6 +36,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from suite_log import pytest_runtest_protocol  # noqa: E402, F401 (MOE_JAX_TEST_LOG's hook)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,24 +73,3 @@ def _highest_matmul_precision(request):
         return
     with jax.default_matmul_precision("highest"):
         yield
-
-
-_TEST_LOG = os.environ.get("MOE_JAX_TEST_LOG")
-
-
-def _log_test_event(event: str, seconds: str, nodeid: str) -> None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    # one short write per line in append mode: lines of several xdist workers do not interleave
-    with open(_TEST_LOG, "a", encoding="utf-8") as log:
-        log.write(f"{time.time():.3f}\t{worker}\t{event}\t{seconds}\t{nodeid}\n")
-
-
-if _TEST_LOG:
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(item, nextitem):
-        # runs where the test runs (an xdist worker, or the only process), once per test
-        _log_test_event("start", "-", item.nodeid)
-        start = time.perf_counter()
-        yield
-        _log_test_event("end", f"{time.perf_counter() - start:.2f}", item.nodeid)
