@@ -52,7 +52,9 @@ case "$mode" in
     fi
     # each test's start and end to a log (tests/suite_log.py), read back below: a run cut short
     # still says which tests were running; MOE_JAX_SUITE_LIMIT_S=N interrupts pytest after N s
-    # (SIGINT: it still prints its summary), inside the device tool's limit per command
+    # (SIGINT, as Ctrl-C: pytest stops and prints its summary; a signal that lands inside a JAX
+    # callback fails that test instead, so SIGKILL follows 30 s later), inside the device
+    # tool's limit per command
     export MOE_JAX_TEST_LOG="$out/test_log.tsv"
     rm -f "$MOE_JAX_TEST_LOG"
     limit=()
