@@ -267,11 +267,9 @@ def _auto_fused_gemm(
     `fused_act_quant_preference` that accepts GEMM1's `problem`; None runs GEMM1 unfused."""
     if gemm != AUTO:
         return None
-    for name in fused_act_quant_preference(problem, activation):
-        backend = grouped_gemm.GEMMS.get(name)
-        if backend.unsupported_reason(problem) is None:
-            return backend
-    return None
+    return grouped_gemm.GEMMS.first_accepting(
+        fused_act_quant_preference(problem, activation), problem
+    )
 
 
 def fused_act_quant_preference(

@@ -125,6 +125,16 @@ class Registry(Generic[ImplT]):
         """The names "auto" tries for `problem`, in order."""
         return tuple(self._preference(problem))
 
+    def first_accepting(self, names: Sequence[str], problem: Any) -> ImplT | None:
+        """The first of `names` whose implementation accepts `problem`, or None where none does
+        (an optional choice made from a preference other than the op's own, such as the fused
+        GEMM1 `ContiguousExperts(fused_act_quant="auto")` may take)."""
+        for name in names:
+            impl = self.get(name)
+            if impl.unsupported_reason(problem) is None:
+                return impl
+        return None
+
     def select(self, choice: str | ImplT, problem: Any) -> ImplT:
         """The implementation that runs `problem`: `choice` itself, or for "auto" the first in
         `preference(problem)` that accepts it.

@@ -97,6 +97,16 @@ def test_auto_keeps_every_reason_in_preference_order_when_all_refuse():
         assert f"{name}: " in str(error.value)
 
 
+def test_first_accepting_takes_names_in_the_order_given_or_none():
+    ops = _ops(FAST, MEDIUM, SLOW)
+    assert ops.first_accepting(("slow", "medium"), Problem("cpu")) is SLOW
+    assert ops.first_accepting(("fast", "medium"), Problem("cpu", size=5)) is MEDIUM
+    assert ops.first_accepting(("fast", "medium"), Problem("cpu", size=50)) is None
+    assert ops.first_accepting((), Problem("gpu")) is None
+    with pytest.raises(ValueError, match="unknown toy op implementation 'nope'"):
+        ops.first_accepting(("nope",), Problem("cpu"))
+
+
 def test_names_left_out_of_the_preference_run_only_when_named():
     ops = _ops(FAST, SLOW, preference=("fast",))
     with pytest.raises(NoImplementationError):
