@@ -18,8 +18,16 @@ import pytest
 LOG_PATH = os.environ.get("MOE_JAX_TEST_LOG")
 
 
-def _log(event: str, seconds: str, nodeid: str) -> None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+def _worker(config: pytest.Config) -> str:
+    """The xdist worker running this process's tests ("gw0", ...), or "main" without xdist.
+
+    Read from pytest's own config, not from PYTEST_XDIST_WORKER: that variable is inherited by
+    a pytest a test starts in a subprocess, which runs its tests in its own (main) process."""
+    workerinput = getattr(config, "workerinput", None)
+    return workerinput["workerid"] if workerinput else "main"
+
+
+def _log(event: str, worker: str, seconds: str, nodeid: str) -> None:
     # one short write per line in append mode: lines of several xdist workers do not interleave
     with open(LOG_PATH, "a", encoding="utf-8") as log:
         log.write(f"{time.time():.3f}\t{worker}\t{event}\t{seconds}\t{nodeid}\n")
@@ -31,8 +39,9 @@ def pytest_runtest_protocol(item, nextitem):
     if not LOG_PATH:
         yield
         return
-    _log("start", "-", item.nodeid)
+    worker = _worker(item.config)
+    _log("start", worker, "-", item.nodeid)
     start = time.perf_counter()
     outcome = yield
     event = "end" if outcome.excinfo is None else "stop"
-    _log(event, f"{time.perf_counter() - start:.2f}", item.nodeid)
+    _log(event, worker, f"{time.perf_counter() - start:.2f}", item.nodeid)

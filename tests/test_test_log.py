@@ -90,14 +90,17 @@ def test_bad_logs_and_arguments_are_named(log_script, tmp_path, capsys):
 
 
 def test_conftest_writes_a_line_when_each_test_starts_and_ends(log_script, tmp_path):
-    """A real pytest run of two tests of this repository with the variable set."""
+    """A real pytest run of two tests of this repository with the variable set. It runs
+    inside an xdist worker when the suite does (gpu_check.sh suite): the worker's
+    PYTEST_XDIST_WORKER, inherited, must not name the child's own process."""
     log = tmp_path / "tests.log"
     selected = [
         "tests/test_test_log.py::test_unfinished_tests_and_the_slowest_are_named",
         "tests/test_test_log.py::test_bad_logs_and_arguments_are_named",
     ]
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selected]
-    done = script_modules.run_at_root(argv, {"MOE_JAX_TEST_LOG": str(log)}, timeout=300)
+    env = {"MOE_JAX_TEST_LOG": str(log), "PYTEST_XDIST_WORKER": "gw7"}
+    done = script_modules.run_at_root(argv, env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = log.read_text().splitlines()
     assert [line.split("\t")[2:5:2] for line in lines] == [
