@@ -42,6 +42,7 @@ ACTIVATION_GRADS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 def check_activation(name: str) -> None:
+    """Raises ValueError naming the valid activations unless `name` is one of `ACTIVATIONS`."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; choose from {sorted(ACTIVATIONS)}")
 

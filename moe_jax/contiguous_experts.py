@@ -146,6 +146,8 @@ class ContiguousExperts(Experts):
     def permute(
         self, prepared: PreparedTokens, weights: ExpertWeights, *, expert_map, gemms: GemmPair
     ) -> layouts.ContiguousLayout:
+        """[T, H] tokens -> the contiguous layout of `gemms.alignment`-row expert segments
+        (`moe_jax.permute.permute`; FP8 rows carry their scales in the order GEMM1 reads)."""
         return permute.permute(
             prepared.x,
             prepared.topk_ids,

@@ -100,6 +100,8 @@ class EPConfig:
         return TRANSPORTS.select(self.transport, problem)
 
     def capacity(self, num_tokens: int, topk: int) -> int:
+        """C, the rows one rank sends to each rank for `num_tokens` tokens of top-`topk` routing:
+        `capacity_per_rank`, or T * k (nothing dropped) where it is None."""
         return num_tokens * topk if self.capacity_per_rank is None else self.capacity_per_rank
 
 

@@ -119,6 +119,8 @@ class ExpertsProblem:
     def of(
         cls, prepared: PreparedTokens, weights: ExpertWeights, call: ExpertsCall
     ) -> ExpertsProblem:
+        """The problem of one `Experts.apply` call: its tokens' shapes, the weights' dtypes and
+        sizes, and the call's activation and quantization."""
         num_tokens, topk = prepared.topk_ids.shape
         arrays = (weights.w1, weights.w2, weights.w1_scale, weights.w2_scale)
         return cls(
@@ -182,6 +184,8 @@ class Experts(abc.ABC):
         """PreparedTokens with T tokens -> expert output (see `weight_and_reduce`)."""
 
     def weight_and_reduce(self) -> WeightAndReduce:
+        """What `finalize` applies to `apply`'s output: here nothing (`AlreadyReduced`), as
+        these experts weight and sum each token's rows themselves."""
         return AlreadyReduced()
 
 

@@ -110,6 +110,7 @@ class LazyTensors(Mapping[str, Any]):
         return name in self._weight_map
 
     def close(self) -> None:
+        """Closes every safetensors file opened so far (later reads open them again)."""
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()

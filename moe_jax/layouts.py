@@ -33,6 +33,7 @@ DEFAULT_ALIGNMENT = 128
 
 
 def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` (> 0) that is >= `value` (a segment's padded length)."""
     return -(-value // multiple) * multiple
 
 
