@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import jax
@@ -129,11 +129,7 @@ class Registry(Generic[ImplT]):
         """The first of `names` whose implementation accepts `problem`, or None where none does
         (an optional choice made from a preference other than the op's own, such as the fused
         GEMM1 `ContiguousExperts(fused_act_quant="auto")` may take)."""
-        for name in names:
-            impl = self.get(name)
-            if impl.unsupported_reason(problem) is None:
-                return impl
-        return None
+        return _first_accepting((self.get(name) for name in names), problem)[0]
 
     def select(self, choice: str | ImplT, problem: Any) -> ImplT:
         """The implementation that runs `problem`: `choice` itself, or for "auto" the first in
@@ -154,13 +150,10 @@ class Registry(Generic[ImplT]):
                 f"{self.op} implementation {choice!r}: pass {AUTO!r}, one of "
                 f"{list(self.names())}, or an object with unsupported_reason()"
             )
-        refusals = {}
-        for impl in candidates:
-            why = impl.unsupported_reason(problem)
-            if why is None:
-                return impl
-            refusals[impl.name] = why
-        raise NoImplementationError(self.op, problem, refusals)
+        impl, refusals = _first_accepting(candidates, problem)
+        if impl is None:
+            raise NoImplementationError(self.op, problem, refusals)
+        return impl
 
     def reasons(self, problem: Any) -> dict[str, str | None]:
         """name -> why it refuses `problem` (None where it runs), for every known implementation."""
@@ -171,6 +164,20 @@ class Registry(Generic[ImplT]):
             except ImportError as error:
                 out[name] = f"cannot be imported: {error}"
         return out
+
+
+def _first_accepting(
+    candidates: Iterable[ImplT], problem: Any
+) -> tuple[ImplT | None, dict[str, str]]:
+    """The registry's one acceptance loop: the first of `candidates` (taken in order, lazily)
+    whose `unsupported_reason(problem)` is None, or None; and why each one before it refused."""
+    refusals = {}
+    for impl in candidates:
+        why = impl.unsupported_reason(problem)
+        if why is None:
+            return impl, refusals
+        refusals[impl.name] = why
+    return None, refusals
 
 
 def current_platform() -> str:
