@@ -21,7 +21,8 @@
 #       loop level and opcode (scripts/gpu_kernel_times.py --sass; 7 files to $OUT). The process
 #       ncu profiles dies now and then (segmentation fault, before the profiled range: 10 of 13
 #       runs on H100s on 2026-12-05, every run of the plain path, with and without XLA's
-#       autotuner and command buffers; cause not found), so each ncu run is tried up to 3 times
+#       autotuner and command buffers; cause not found; on 2026-12-06 both runs passed at their
+#       first try on an H100), so each ncu run is tried up to 3 times
 #   bash scripts/gpu_check.sh baseline [bench args]   today's code against an earlier commit's
 #       (`bash scripts/baseline_tree.sh COMMIT` here first, then carry .baseline): `bench` (by
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
