@@ -1,13 +1,15 @@
 """Today's code against an earlier commit's, from `bench --json` files of alternating runs.
 
     python3 scripts/bench_ratio.py --baseline b1.json b2.json --current c1.json c2.json
+    python3 scripts/bench_ratio.py --names without "with X=1" --baseline ... --current ...
 
 Each file is one `python -m moe_jax bench ... --json F` run; the baseline and current runs are
 taken in alternation on one machine (`bash scripts/gpu_check.sh baseline` does that). For each
 shape and variant in both, prints the baseline's and the current code's ms per forward (back to
 back) and latency of every run, and current / baseline of each round and of the medians. A
 ratio from one machine carries to another card where a figure does not: it says how much of an
-issue's "from X ms to Y ms" a change made, on whichever GPU it ran.
+issue's "from X ms to Y ms" a change made, on whichever GPU it ran. `--names` renames the two
+sides in the table (`gpu_check.sh env` compares an environment setting against none).
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ def _runs(values: list[float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values) or "-"
 
 
-def table(entries: list[dict]) -> str:
-    """The comparison as a Markdown table."""
+def table(entries: list[dict], names: tuple[str, str] = ("baseline", "current")) -> str:
+    """The comparison as a Markdown table; `names` are the two sides' (baseline, current)."""
+    base, cur = names
     lines = [
-        "| shape | variant | baseline ms (latency) | current ms (latency) | current / baseline"
+        f"| shape | variant | {base} ms (latency) | {cur} ms (latency) | {cur} / {base}"
         " per round | of medians: ms, latency |",
         "|---|---|---|---|---|---|",
     ]
@@ -87,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", nargs="+", required=True, help="the earlier code's runs")
     parser.add_argument("--current", nargs="+", required=True, help="today's runs")
+    parser.add_argument(
+        "--names",
+        nargs=2,
+        default=("baseline", "current"),
+        metavar=("BASELINE", "CURRENT"),
+        help="the two sides' names in the table",
+    )
     args = parser.parse_args(argv)
     try:
         baseline, current = load_runs(args.baseline), load_runs(args.current)
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not entries:
         print("bench_ratio: no shape and variant was timed in every run", file=sys.stderr)
         return 2
-    print(table(entries))
+    print(table(entries, tuple(args.names)))
     return 0
 
 

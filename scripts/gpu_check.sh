@@ -28,6 +28,13 @@
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
 #       MOE_JAX_BASELINE_ROUNDS times (2), then scripts/bench_ratio.py's table of current /
 #       baseline: a ratio that carries to issues whose figures came from another card
+#   bash scripts/gpu_check.sh env NAME=VALUE [NAME=VALUE ...] [-- bench args]   the same
+#       alternation for a process environment setting: `bench` (same default arguments) as this
+#       shell runs it ("without") and with the assignments ("with"), MOE_JAX_ENV_ROUNDS times
+#       (2), then bench_ratio.py's with / without table. First, each side's PjRt client log
+#       lines (a JAX process at TF_CPP_MIN_LOG_LEVEL=0): XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
+#       should show "TfrtGpuClient created". For XLA_FLAGS, XLA_PYTHON_CLIENT_*, TF_CUDA_*: the
+#       runtime's settings, none of which moe_jax sets itself
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -199,8 +206,50 @@ case "$mode" in
       --current "$out"/current_*.json 2>&1 | tee -a "$out/baseline.log" || status=1
     exit "$status"
     ;;
+  env)
+    # one environment setting against none, in alternating `bench` runs on this machine
+    settings=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+      case "$1" in
+        [A-Za-z_]*=*) settings+=("$1") ;;
+        *)
+          echo "env: '$1' is not NAME=VALUE; usage: bash scripts/gpu_check.sh env NAME=VALUE" \
+            "[NAME=VALUE ...] [-- bench args]" >&2
+          exit 2
+          ;;
+      esac
+      shift
+    done
+    [ "${1:-}" = "--" ] && shift
+    [ ${#settings[@]} -gt 0 ] || {
+      echo "env: no NAME=VALUE given; usage: bash scripts/gpu_check.sh env NAME=VALUE" \
+        "[NAME=VALUE ...] [-- bench args]" >&2
+      exit 2
+    }
+    bench_args=("$@")
+    [ ${#bench_args[@]} -gt 0 ] || bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
+    echo "with: ${settings[*]}; bench ${bench_args[*]}" | tee "$out/env.log"
+    probe='import jax; print("devices:", jax.devices())'
+    echo "PjRt client log lines without:" | tee -a "$out/env.log"
+    TF_CPP_MIN_LOG_LEVEL=0 python3 -c "$probe" 2>&1 | grep -i -E "client|devices:" \
+      | tee -a "$out/env.log"
+    echo "PjRt client log lines with:" | tee -a "$out/env.log"
+    env "${settings[@]}" TF_CPP_MIN_LOG_LEVEL=0 python3 -c "$probe" 2>&1 \
+      | grep -i -E "client|devices:" | tee -a "$out/env.log"
+    status=0
+    for round in $(seq -w "${MOE_JAX_ENV_ROUNDS:-2}"); do
+      python3 -m moe_jax bench "${bench_args[@]}" --json "$out/without_$round.json" 2>&1 \
+        | tee -a "$out/env.log" || status=1
+      env "${settings[@]}" python3 -m moe_jax bench "${bench_args[@]}" \
+        --json "$out/with_$round.json" 2>&1 | tee -a "$out/env.log" || status=1
+    done
+    python3 scripts/bench_ratio.py --names without with \
+      --baseline "$out"/without_*.json --current "$out"/with_*.json 2>&1 \
+      | tee -a "$out/env.log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|epilogue|baseline (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|epilogue|baseline|env (see the top of this file)" >&2
     exit 2
     ;;
 esac
