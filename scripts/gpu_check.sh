@@ -45,6 +45,8 @@ export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 mode="${1:-}"
 shift || true
+# `bench`'s arguments where the baseline and env modes are given none
+default_bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
 case "$mode" in
   suite)
     workers=()
@@ -191,7 +193,7 @@ case "$mode" in
       exit 2
     }
     bench_args=("$@")
-    [ ${#bench_args[@]} -gt 0 ] || bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
+    [ ${#bench_args[@]} -gt 0 ] || bench_args=("${default_bench_args[@]}")
     echo "baseline: $(cat "$base/COMMIT"); bench ${bench_args[*]}" | tee "$out/baseline.log"
     status=0
     for round in $(seq -w "${MOE_JAX_BASELINE_ROUNDS:-2}"); do
@@ -208,40 +210,34 @@ case "$mode" in
     ;;
   env)
     # one environment setting against none, in alternating `bench` runs on this machine
+    usage="usage: bash scripts/gpu_check.sh env NAME=VALUE [NAME=VALUE ...] [-- bench args]"
     settings=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do
       case "$1" in
         [A-Za-z_]*=*) settings+=("$1") ;;
-        *)
-          echo "env: '$1' is not NAME=VALUE; usage: bash scripts/gpu_check.sh env NAME=VALUE" \
-            "[NAME=VALUE ...] [-- bench args]" >&2
-          exit 2
-          ;;
+        *) echo "env: '$1' is not NAME=VALUE; $usage" >&2; exit 2 ;;
       esac
       shift
     done
     [ "${1:-}" = "--" ] && shift
-    [ ${#settings[@]} -gt 0 ] || {
-      echo "env: no NAME=VALUE given; usage: bash scripts/gpu_check.sh env NAME=VALUE" \
-        "[NAME=VALUE ...] [-- bench args]" >&2
-      exit 2
-    }
+    [ ${#settings[@]} -gt 0 ] || { echo "env: no NAME=VALUE given; $usage" >&2; exit 2; }
     bench_args=("$@")
-    [ ${#bench_args[@]} -gt 0 ] || bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
+    [ ${#bench_args[@]} -gt 0 ] || bench_args=("${default_bench_args[@]}")
+    # runs a command as this shell would ("without") or with the settings ("with")
+    on_side() { if [ "$1" = with ]; then shift; env "${settings[@]}" "$@"; else shift; "$@"; fi; }
     echo "with: ${settings[*]}; bench ${bench_args[*]}" | tee "$out/env.log"
-    probe='import jax; print("devices:", jax.devices())'
-    echo "PjRt client log lines without:" | tee -a "$out/env.log"
-    TF_CPP_MIN_LOG_LEVEL=0 python3 -c "$probe" 2>&1 | grep -i -E "client|devices:" \
-      | tee -a "$out/env.log"
-    echo "PjRt client log lines with:" | tee -a "$out/env.log"
-    env "${settings[@]}" TF_CPP_MIN_LOG_LEVEL=0 python3 -c "$probe" 2>&1 \
-      | grep -i -E "client|devices:" | tee -a "$out/env.log"
+    for side in without with; do
+      echo "PjRt client log lines $side:" | tee -a "$out/env.log"
+      on_side "$side" env TF_CPP_MIN_LOG_LEVEL=0 python3 -c \
+        'import jax; print("devices:", jax.devices())' 2>&1 | grep -i -E "client|devices:" \
+        | tee -a "$out/env.log"
+    done
     status=0
     for round in $(seq -w "${MOE_JAX_ENV_ROUNDS:-2}"); do
-      python3 -m moe_jax bench "${bench_args[@]}" --json "$out/without_$round.json" 2>&1 \
-        | tee -a "$out/env.log" || status=1
-      env "${settings[@]}" python3 -m moe_jax bench "${bench_args[@]}" \
-        --json "$out/with_$round.json" 2>&1 | tee -a "$out/env.log" || status=1
+      for side in without with; do
+        on_side "$side" python3 -m moe_jax bench "${bench_args[@]}" \
+          --json "$out/${side}_$round.json" 2>&1 | tee -a "$out/env.log" || status=1
+      done
     done
     python3 scripts/bench_ratio.py --names without with \
       --baseline "$out"/without_*.json --current "$out"/with_*.json 2>&1 \
