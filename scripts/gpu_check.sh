@@ -33,8 +33,10 @@
 #       shell runs it ("without") and with the assignments ("with"), MOE_JAX_ENV_ROUNDS times
 #       (2), then bench_ratio.py's with / without table. First, each side's PjRt client log
 #       lines (a JAX process at TF_CPP_MIN_LOG_LEVEL=0): XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
-#       should show "TfrtGpuClient created". For XLA_FLAGS, XLA_PYTHON_CLIENT_*, TF_CUDA_*: the
-#       runtime's settings, none of which moe_jax sets itself
+#       should show "TfrtGpuClient created"; then each side's scripts/waited_overhead.py table
+#       (what a waited call costs over a streamed one for programs that are not moe_jax's;
+#       matmul side MOE_JAX_ENV_WAITED_SIZE, 8192). For XLA_FLAGS, XLA_PYTHON_CLIENT_*,
+#       TF_CUDA_*: the runtime's settings, none of which moe_jax sets itself
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -233,6 +235,11 @@ case "$mode" in
         | tee -a "$out/env.log"
     done
     status=0
+    for side in without with; do
+      echo "waited_overhead.py $side:" | tee -a "$out/env.log"
+      on_side "$side" python3 scripts/waited_overhead.py --samples 15 \
+        --size "${MOE_JAX_ENV_WAITED_SIZE:-8192}" 2>&1 | tee -a "$out/env.log" || status=1
+    done
     for round in $(seq -w "${MOE_JAX_ENV_ROUNDS:-2}"); do
       for side in without with; do
         on_side "$side" python3 -m moe_jax bench "${bench_args[@]}" \

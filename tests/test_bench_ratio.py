@@ -118,7 +118,7 @@ def test_gpu_check_env_times_bench_without_and_with_the_setting(tmp_path):
     compilations) reaches the second bench run only: its jitted forward's compilation is logged
     once, after that run starts."""
     out = tmp_path / "out"
-    env = {"OUT": str(out), "MOE_JAX_ENV_ROUNDS": "1"}
+    env = {"OUT": str(out), "MOE_JAX_ENV_ROUNDS": "1", "MOE_JAX_ENV_WAITED_SIZE": "64"}
     bench = ["--shapes", "small", "--variants", "jax_ragged_dot_bf16", "--iters", "1"]
     command = ["bash", "scripts/gpu_check.sh", "env", "JAX_LOG_COMPILES=1", "--", *bench]
     done = script_modules.run_at_root(command, env, timeout=600)
@@ -127,6 +127,7 @@ def test_gpu_check_env_times_bench_without_and_with_the_setting(tmp_path):
     log = (out / "env.log").read_text()
     assert log.startswith("with: JAX_LOG_COMPILES=1; bench --shapes small")
     assert log.count("PjRt client log lines") == 2
+    assert log.count("| jax matmul 64^3 bf16 |") == 2  # waited_overhead.py, each side
     runs = log.split("building inputs")
     assert len(runs) == 3  # the log before, the run without, the run with
     assert "Compiling jit(forward)" not in runs[1] and runs[2].count("Compiling jit(forward)") == 1
