@@ -32,8 +32,10 @@
 #       alternation for a process environment setting: `bench` (same default arguments) as this
 #       shell runs it ("without") and with the assignments ("with"), MOE_JAX_ENV_ROUNDS times
 #       (2), then bench_ratio.py's with / without table. First, each side's PjRt client log
-#       lines (a JAX process at TF_CPP_MIN_LOG_LEVEL=0): XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1
-#       should show "TfrtGpuClient created"; then each side's scripts/waited_overhead.py table
+#       lines (a JAX process at TF_CPP_MIN_LOG_LEVEL=0: XLA's TFRT client, where a plugin has it,
+#       logs "TfrtGpuClient created"; jax 0.11.2's CUDA 13 plugin does not contain it, and
+#       XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 changes nothing there, BENCHMARKS.md
+#       2026-12-06); then each side's scripts/waited_overhead.py table
 #       (what a waited call costs over a streamed one for programs that are not moe_jax's;
 #       matmul side MOE_JAX_ENV_WAITED_SIZE, 8192). For XLA_FLAGS, XLA_PYTHON_CLIENT_*,
 #       TF_CUDA_*: the runtime's settings, none of which moe_jax sets itself
