@@ -150,37 +150,11 @@ def mosaic_fp8_gemm_act_quant_contiguous(
       [I/128, M] in memory (what a group-major GEMM2 reads, `is_scales_group_major`) and
       returned as their transpose. Padding rows are unspecified.
     """
-    check_activation(activation)
-    if not interpret and activation not in COMPILED_ACTIVATIONS:
-        raise NotImplementedError(
-            f"activation {activation!r} has no compiled fused epilogue; use one of "
-            f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
-        )
-    grouped_gemm.check_contiguous_operands(x, w1, expert_ids, x_scales, w1_scales)  # ranks first
-    is_segment_of_pairs = alignment % (2 * BLOCK_M) == 0
-    if config is None:
-        config = act_quant_heuristic_config(
-            num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1], alignment=alignment
-        )
-    # no tile table (the kernel's `is_dense`) for pairs or single blocks on 128-row segments
-    is_dense = is_segment_of_pairs and config.group_blocks <= 2
-    _check_operands(
-        x,
-        w1,
-        expert_ids,
-        x_scales,
-        w1_scales,
-        alignment,
-        config,
-        jnp.bfloat16,
-        is_gated=True,
-        num_sms=num_sms,
+    config = check_act_quant_operands(
+        x, w1, expert_ids, x_scales, w1_scales, alignment, activation, config, num_sms, interpret
     )
-    if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
-        raise ValueError(
-            f"{config}: the fused epilogue needs block_n={SCALE_BLOCK} and num_compute_wgs=2 "
-            "(one warpgroup on a quantization group's gate columns, one on its up columns)"
-        )
+    # no tile table (the kernel's `is_dense`) for pairs or single blocks on 128-row segments
+    is_dense = alignment % (2 * BLOCK_M) == 0 and config.group_blocks <= 2
     num_rows = x.shape[0]
     num_experts, two_i, k = w1.shape
     inter = two_i // 2  # a multiple of 128: 2I is a multiple of the 256-column tile (checked)
@@ -217,6 +191,43 @@ def mosaic_fp8_gemm_act_quant_contiguous(
         is_dense=is_dense,
     )
     return q[:num_rows], scales_t[:, :num_rows].T
+
+
+def check_act_quant_operands(
+    x, w1, expert_ids, x_scales, w1_scales, alignment, activation, config, num_sms, interpret
+) -> MosaicFp8GemmConfig:
+    """`mosaic_fp8_gemm_act_quant_contiguous`'s checks (x and x_scales may be shapes only),
+    naming the argument at fault; returns the config to run (`act_quant_heuristic_config`'s
+    where `config` is None)."""
+    check_activation(activation)
+    if not interpret and activation not in COMPILED_ACTIVATIONS:
+        raise NotImplementedError(
+            f"activation {activation!r} has no compiled fused epilogue; use one of "
+            f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
+        )
+    grouped_gemm.check_contiguous_operands(x, w1, expert_ids, x_scales, w1_scales)  # ranks first
+    if config is None:
+        config = act_quant_heuristic_config(
+            num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1], alignment=alignment
+        )
+    _check_operands(
+        x,
+        w1,
+        expert_ids,
+        x_scales,
+        w1_scales,
+        alignment,
+        config,
+        jnp.bfloat16,
+        is_gated=True,
+        num_sms=num_sms,
+    )
+    if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
+        raise ValueError(
+            f"{config}: the fused epilogue needs block_n={SCALE_BLOCK} and num_compute_wgs=2 "
+            "(one warpgroup on a quantization group's gate columns, one on its up columns)"
+        )
+    return config
 
 
 def mosaic_fp8_gemm_act_quant_reference(
@@ -292,6 +303,11 @@ def _compute_capability() -> str | None:
 class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     """GEMM backend running `mosaic_fp8_gemm_contiguous` (Hopper GPUs; FP8 only).
 
+    With `gathers_rows` ("mosaic_fp8_gathered"), its fused GEMM1 reads the layout's rows from
+    the tokens (`gathered_act_quant`, `kernels.mosaic_fp8_gather`): the layer then skips the
+    permute's row copy (`moe_jax.experts.GemmPair.gathers_rows`). Its plain GEMMs are
+    "mosaic_fp8"'s.
+
     The contiguous layout it asks for pads each expert's segment to 64 rows (`BLOCK_M`), so
     every row block belongs to one expert. The masked layout runs on the same kernel: each
     expert's block of max_m rows, padded to 64, is a segment; blocks past the counts are skipped.
@@ -303,10 +319,18 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
 
     is_scales_group_major = True  # the kernel reads them as [K/128, M]
 
-    def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
+    def __init__(
+        self,
+        config: MosaicFp8GemmConfig | None = None,
+        *,
+        interpret: bool = False,
+        gathers_rows: bool = False,
+    ):
         self.config = config  # None: `heuristic_config` per call
         self.interpret = interpret
-        self.name = "mosaic_fp8_interpret" if interpret else "mosaic_fp8"
+        self.gathers_rows = gathers_rows
+        self.name = "mosaic_fp8" + ("_gathered" if gathers_rows else "")
+        self.name += "_interpret" if interpret else ""
 
     def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
         """`BLOCK_M` (64) for every problem: the smallest segment multiple at which none of
@@ -333,6 +357,11 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         alignment = problem.alignment
         if problem.layout == "contiguous" and alignment is not None and alignment % BLOCK_M:
             return f"alignment {alignment} is not a multiple of {BLOCK_M} rows"
+        if self.gathers_rows and (alignment is None or alignment % (2 * BLOCK_M)):
+            return (
+                f"the gathered GEMM1 takes segments of whole {2 * BLOCK_M}-row pairs, not "
+                f"alignment {alignment} (ContiguousExperts(alignment={2 * BLOCK_M}) sets them)"
+            )
         return None
 
     def _run(self, x, w, expert_ids, x_scales, w_scales, alignment, out_dtype, config=None):
@@ -379,6 +408,29 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
             )
         )(x)
 
+    def gathered_act_quant(
+        self, x_tokens, w1, expert_ids, row_sources, *, x_scales, w1_scales, alignment, activation
+    ) -> tuple[jax.Array, jax.Array]:
+        """`contiguous_act_quant` of the layout's rows `x_tokens[row_sources]`, read from the
+        tokens by the kernel (`kernels.mosaic_fp8_gather.gathered_act_quant`); forward only."""
+        from moe_jax.act_quant import without_gradient
+        from moe_jax.kernels.mosaic_fp8_gather import gathered_act_quant
+
+        return without_gradient(
+            lambda tokens: gathered_act_quant(
+                tokens,
+                w1,
+                expert_ids,
+                row_sources,
+                x_scales=x_scales,
+                w1_scales=w1_scales,
+                alignment=alignment,
+                activation=activation,
+                config=self.config,
+                interpret=self.interpret,
+            )
+        )(x_tokens)
+
     def masked(
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
     ):
@@ -398,3 +450,5 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
 
 grouped_gemm.GEMMS.register(MosaicFp8Gemm())
 grouped_gemm.GEMMS.register(MosaicFp8Gemm(interpret=True))
+grouped_gemm.GEMMS.register(MosaicFp8Gemm(gathers_rows=True))
+grouped_gemm.GEMMS.register(MosaicFp8Gemm(interpret=True, gathers_rows=True))

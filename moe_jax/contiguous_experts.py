@@ -162,6 +162,18 @@ class ContiguousExperts(Experts):
             impl=self.permute_impl,
         )
 
+    def route(
+        self, prepared: PreparedTokens, weights: ExpertWeights, *, expert_map, gemms: GemmPair
+    ) -> layouts.ContiguousLayout:
+        """The layout without its rows (`moe_jax.permute.route`), for a GEMM1 that gathers
+        them from the tokens (`gemms.gathers_rows`)."""
+        return permute.route(
+            prepared.topk_ids,
+            num_experts=weights.num_experts,
+            expert_map=expert_map,
+            alignment=gemms.alignment,
+        )
+
     def first_gemm(self, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall):
         """[M, H] rows -> [M, 2I] in the intermediate dtype."""
         return self._gemm(
@@ -176,10 +188,17 @@ class ContiguousExperts(Experts):
         )
 
     def first_gemm_act_quant(
-        self, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall
+        self,
+        lay,
+        weights: ExpertWeights,
+        *,
+        gemms: GemmPair,
+        call: ExpertsCall,
+        prepared: PreparedTokens | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """[M, H] FP8 rows -> (float8_e4m3fn[M, I], float32[M, I/128]) in one kernel
-        (`gemms.fuses_act_quant`): GEMM1, act(gate) * up and its quantization for GEMM2."""
+        (`gemms.fuses_act_quant`): GEMM1, act(gate) * up and its quantization for GEMM2. On
+        `route`'s layout (no rows) the kernel reads them from `prepared`'s tokens."""
         if call.quant_config is None or weights.w1_scale is None:
             raise ValueError(
                 f"ContiguousExperts(fused_act_quant={self.fused_act_quant!r}) runs the FP8 path "
@@ -190,6 +209,22 @@ class ContiguousExperts(Experts):
             raise ValueError(
                 f"fused_act_quant quantizes in groups of {group} columns, the call asks for "
                 f"{call.quant_config.group_size}"
+            )
+        if lay.rows is None:  # `route`'s layout: the kernel reads the rows from the tokens
+            if prepared is None:
+                raise ValueError(
+                    "the layout from `route` holds no rows: pass prepared= (the tokens GEMM1 "
+                    "gathers them from)"
+                )
+            return gemms.gemm1.gathered_act_quant(
+                prepared.x,
+                weights.w1,
+                lay.expert_ids,
+                lay.sources,
+                x_scales=prepared.x_scales,
+                w1_scales=weights.w1_scale,
+                alignment=gemms.alignment,
+                activation=call.activation,
             )
         return gemms.gemm1.contiguous_act_quant(
             lay.rows,
@@ -273,10 +308,13 @@ class ContiguousExperts(Experts):
         )
 
         def forward(prepared, weights, expert_map):
-            lay = self.permute(prepared, weights, expert_map=expert_map, gemms=gemms)
+            arrange = self.route if gemms.gathers_rows else self.permute
+            lay = arrange(prepared, weights, expert_map=expert_map, gemms=gemms)
             lay = jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_LAYOUT), lay)
             if gemms.fuses_act_quant:
-                a, a_scales = self.first_gemm_act_quant(lay, weights, gemms=gemms, call=call)
+                a, a_scales = self.first_gemm_act_quant(
+                    lay, weights, gemms=gemms, call=call, prepared=prepared
+                )
             else:
                 h = checkpoint_name(
                     self.first_gemm(lay, weights, gemms=gemms, call=call), RESIDUAL_GEMM1

@@ -41,7 +41,12 @@ from moe_jax.registry import AUTO, current_platform
 
 # GEMM backends with a `contiguous_act_quant` method (GEMM1 + act(gate) * up + FP8 quantization
 # in one kernel), for `ContiguousExperts(fused_act_quant=...)`.
-FUSED_ACT_QUANT_GEMMS = ("mosaic_fp8", "mosaic_fp8_interpret")
+FUSED_ACT_QUANT_GEMMS = (
+    "mosaic_fp8",
+    "mosaic_fp8_interpret",
+    "mosaic_fp8_gathered",
+    "mosaic_fp8_gathered_interpret",
+)
 # `fused_act_quant="auto"` fuses GEMM1 up to this K (the hidden size H). Evidence (BENCHMARKS.md,
 # "Prefill", 2026-12-05 16:31-19:31 UTC, one H100; `bench`'s ms per forward back to back, fused
 # against DeepGEMM's GEMM1 and the act + quantization kernel, two rounds each): T=8192 E=128
@@ -194,13 +199,16 @@ class GemmPair:
     """The backends of the two GEMMs and the contiguous layout's segment multiple.
 
     With `fuses_act_quant`, `gemm1` runs GEMM1, act(gate) * up and the FP8 quantization as one
-    kernel (its `contiguous_act_quant` method).
+    kernel (its `contiguous_act_quant` method); with `gathers_rows` too, that kernel reads the
+    layout's rows from the tokens (its `gathered_act_quant` method), so the layer routes
+    (`moe_jax.permute.route`) instead of permuting.
     """
 
     gemm1: grouped_gemm.GroupedGemm
     gemm2: grouped_gemm.GroupedGemm
     alignment: int | None
     fuses_act_quant: bool = False
+    gathers_rows: bool = False
 
 
 def select_gemms(
@@ -261,7 +269,13 @@ def select_gemms(
             f"quantization on the {layout} layout; choose one of "
             f"{list(FUSED_ACT_QUANT_GEMMS)} (contiguous layout)"
         )
-    return GemmPair(gemm1=fused, gemm2=gemm2, alignment=alignment, fuses_act_quant=True)
+    return GemmPair(
+        gemm1=fused,
+        gemm2=gemm2,
+        alignment=alignment,
+        fuses_act_quant=True,
+        gathers_rows=getattr(fused, "gathers_rows", False),
+    )
 
 
 def _auto_fused_gemm(

@@ -235,6 +235,8 @@ GEMMS: Registry[GroupedGemm] = Registry(
         "mosaic": "moe_jax.kernels.mosaic_gemm",
         "mosaic_fp8": "moe_jax.kernels.mosaic_fp8_gemm",
         "mosaic_fp8_interpret": "moe_jax.kernels.mosaic_fp8_gemm",
+        "mosaic_fp8_gathered": "moe_jax.kernels.mosaic_fp8_gemm",
+        "mosaic_fp8_gathered_interpret": "moe_jax.kernels.mosaic_fp8_gemm",
         "pallas": "moe_jax.kernels.grouped_gemm",
         "pallas_interpret": "moe_jax.kernels.grouped_gemm",
     },

@@ -122,7 +122,8 @@ class ContiguousLayout:
     Attributes:
       rows: [M, H] token copies (bf16, float32 or float8_e4m3fn); padding rows are zero
         (unspecified where `moe_jax.permute.permute` ran with `is_padding_zeroed=False`, as on
-        the FP8 inference path).
+        the FP8 inference path). None in the layout `moe_jax.permute.route` returns, whose
+        rows are never copied (a GEMM1 that gathers them reads `sources` instead).
       row_scales: float32[M, H // 128] activation scales travelling with FP8 rows (zero on
         padding, or unspecified as the rows), or None.
       expert_ids: int32[M] local expert of each row, -1 on padding.
@@ -130,14 +131,16 @@ class ContiguousLayout:
       num_tokens_per_expert: int32[E] valid rows per expert.
       expert_ends: int32[E] one past the last (padded) row of each expert's segment; segment e
         spans [expert_ends[e-1], expert_ends[e]) (torch `_grouped_mm`'s `offs`).
+      sources: int32[M] the token of each row, -1 on padding, where `rows` is None; else None.
     """
 
-    rows: jax.Array
+    rows: jax.Array | None
     row_scales: jax.Array | None
     expert_ids: jax.Array
     inverse: jax.Array
     num_tokens_per_expert: jax.Array
     expert_ends: jax.Array
+    sources: jax.Array | None = None
 
 
 def contiguous_destinations(

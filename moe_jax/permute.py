@@ -372,6 +372,63 @@ def count_expert_num_tokens(
     return chosen(topk_ids, num_local_experts, expert_map)
 
 
+def route(
+    topk_ids: jax.Array,
+    *,
+    num_experts: int,
+    expert_map: jax.Array | None = None,
+    alignment: int = layouts.DEFAULT_ALIGNMENT,
+    impl: str = AUTO,
+) -> layouts.ContiguousLayout:
+    """The contiguous layout without its rows: where each (token, slot) goes and which token
+    feeds each row, for a GEMM1 that reads the rows from the tokens itself
+    (`moe_jax.experts.GemmPair.gathers_rows`). Nothing is copied.
+
+    Args:
+      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` go nowhere.
+      num_experts, expert_map, alignment: as for `permute`.
+      impl: the routing metadata's implementation (`routing_metadata`).
+
+    Returns:
+      `moe_jax.layouts.ContiguousLayout` with M = `layouts.contiguous_num_rows(T, k, E,
+      alignment)` rows, `rows` and `row_scales` None and `sources` int32[M] (-1 on padding).
+
+    Example:
+      >>> lay = route(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4)
+      >>> lay.sources.tolist(), lay.expert_ids.tolist()[:8]
+      ([0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1], [0, -1, -1, -1, 1, 1, 1, -1])
+    """
+    if topk_ids.ndim != 2 or not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"{topk_ids.shape=} {topk_ids.dtype=} but int[T, k] is needed")
+    num_tokens, topk = topk_ids.shape
+    num_rows = layouts.contiguous_num_rows(num_tokens, topk, num_experts, alignment)
+    local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    if num_tokens * topk == 0:  # nothing to route: the layout has no rows
+        no_experts = jnp.zeros((num_experts,), jnp.int32)
+        no_rows = jnp.zeros((0,), jnp.int32)
+        return layouts.ContiguousLayout(
+            rows=None,
+            row_scales=None,
+            expert_ids=no_rows,
+            inverse=jnp.full((num_tokens, topk), -1, jnp.int32),
+            num_tokens_per_expert=no_experts,
+            expert_ends=no_experts,
+            sources=no_rows,
+        )
+    meta = routing_metadata(
+        local, num_experts=num_experts, alignment=alignment, num_rows=num_rows, impl=impl
+    )
+    return layouts.ContiguousLayout(
+        rows=None,
+        row_scales=None,
+        expert_ids=meta.expert_ids,
+        inverse=meta.inverse,
+        num_tokens_per_expert=meta.num_tokens_per_expert,
+        expert_ends=meta.expert_ends,
+        sources=meta.source,
+    )
+
+
 def routing_metadata(
     local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
 ) -> layouts.RoutingMetadata:

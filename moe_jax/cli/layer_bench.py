@@ -29,6 +29,9 @@ Variants (each runs where it can; the table says why one did not):
                         the fused GEMM1 taking its tiles from the list of valid row blocks
                         (`MosaicFp8GemmConfig(skips_padding_blocks=True)` with the tiles its
                         heuristic picks for the layout; only when named)
+  moe_jax_fp8_gathered  the fused GEMM1 reading its rows from the tokens, no permuted copy
+                        (`ContiguousExperts(fused_act_quant="mosaic_fp8_gathered")`, 128-row
+                        segments; Hopper; only when named)
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ FP8_VARIANTS = {
     "moe_jax_fp8_fused_act_skipping": Fp8Variant(
         fused_act_quant="mosaic_fp8", fused_config=(("skips_padding_blocks", True),)
     ),
+    "moe_jax_fp8_gathered": Fp8Variant(fused_act_quant="mosaic_fp8_gathered"),
 }
 VARIANTS = (
     "jax_ragged_dot_bf16",

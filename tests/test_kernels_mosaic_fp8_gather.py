@@ -1,0 +1,337 @@
+"""The fused GEMM1 that gathers its rows from the tokens (`moe_jax.kernels.mosaic_fp8_gather`) and
+the rowless layout it runs on (`moe_jax.permute.route`).
+
+The kernel has no interpret mode (its copies are inline PTX): on the CPU its front runs the
+reference (XLA gathers the rows, the contiguous fused kernel runs in interpret mode), which these
+tests hold to a float64 loop on the oracle's permuted rows with `test_kernels_mosaic_fp8_gemm`'s
+bounds; compiled (marked gpu), the kernel must equal that reference, compiled, bit for bit on
+valid rows (the same wgmmas on the same bytes), and the layer with it the layer with the
+contiguous fused GEMM1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracles
+import pytest
+from test_kernels_mosaic_fp8_gemm import (
+    OVERLAPPED_PAIRS,
+    PAIRS,
+    PROBLEMS,
+    _check_act_quant,
+    _fp8_layer,
+    _operands,
+)
+
+from moe_jax import grouped_gemm, layouts, permute
+from moe_jax.contiguous_experts import ContiguousExperts
+from moe_jax.experts import ExpertsCall, ExpertWeights, select_gemms
+from moe_jax.fused_moe import fused_moe
+from moe_jax.kernels import mosaic_fp8_gather as gather
+from moe_jax.kernels import mosaic_fp8_gemm as mg
+from moe_jax.quant import FP8_DTYPE, Fp8BlockQuant
+
+pytestmark = pytest.mark.mosaic_interpret
+
+IMPLS = [
+    pytest.param(True, id="interpret"),
+    pytest.param(False, id="compiled", marks=pytest.mark.gpu),
+]
+ALIGNMENT = 128  # the gathered kernel's segments: whole pairs of 64-row blocks
+
+
+# --- the rowless layout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "topk", "num_experts", "with_map"),
+    [(0, 2, 4, False), (1, 3, 4, False), (37, 4, 5, False), (37, 4, 3, True)],
+    ids=["no_tokens", "one_token_duplicates", "ids_outside", "expert_map_holes"],
+)
+def test_route_matches_the_loops_and_the_permute(num_tokens, topk, num_experts, with_map):
+    """Every field against `oracles.routing_metadata` (loops), and the same metadata as
+    `permute.permute` with no rows: ids from -1 to E + 1, an expert twice in a row, and (with
+    `expert_map`) global experts held elsewhere."""
+    rng = np.random.default_rng(oracles.seed("route", num_tokens, with_map))
+    global_experts = 2 * num_experts if with_map else num_experts
+    ids = rng.integers(-1, global_experts + 2, (num_tokens, topk)).astype(np.int32)
+    if num_tokens:
+        ids[0, :2] = 1  # an expert twice in one row
+    expert_map = None
+    if with_map:  # every other global expert is held here
+        expert_map = np.where(
+            np.arange(global_experts) % 2 == 0, np.arange(global_experts) // 2, -1
+        )
+        expert_map = jnp.asarray(expert_map, jnp.int32)
+    lay = permute.route(
+        jnp.asarray(ids), num_experts=num_experts, expert_map=expert_map, alignment=ALIGNMENT
+    )
+    local = oracles.local_ids(
+        ids, num_experts, None if expert_map is None else np.asarray(expert_map)
+    )
+    num_rows = oracles.contiguous_num_rows(num_tokens, topk, num_experts, ALIGNMENT)
+    want = oracles.routing_metadata(local, num_experts, alignment=ALIGNMENT, num_rows=num_rows)
+    assert lay.rows is None and lay.row_scales is None
+    np.testing.assert_array_equal(lay.sources, want["source"])
+    np.testing.assert_array_equal(lay.expert_ids, want["expert_ids"])
+    np.testing.assert_array_equal(lay.inverse, want["inverse"])
+    np.testing.assert_array_equal(lay.num_tokens_per_expert, want["num_tokens_per_expert"])
+    np.testing.assert_array_equal(lay.expert_ends, want["expert_ends"])
+    x = jnp.zeros((num_tokens, 128), jnp.bfloat16)
+    copied = permute.permute(
+        x, jnp.asarray(ids), num_experts=num_experts, expert_map=expert_map, alignment=ALIGNMENT
+    )
+    for name in ("expert_ids", "inverse", "num_tokens_per_expert", "expert_ends"):
+        np.testing.assert_array_equal(getattr(lay, name), getattr(copied, name))
+
+
+def test_route_refuses_float_ids():
+    with pytest.raises(TypeError, match=r"int\[T, k\]"):
+        permute.route(jnp.zeros((4, 2), jnp.float32), num_experts=2)
+
+
+# --- the kernel -------------------------------------------------------------------------------
+
+
+def _gathered(problem, *, config, interpret, num_sms=None, fn=gather.gathered_act_quant):
+    rng = np.random.default_rng(oracles.seed("gathered", problem.name))
+    x, w, x_scales, w_scales, ids = _operands(problem, rng)
+    lay = oracles.permute(x, ids, problem.num_experts, alignment=ALIGNMENT, x_scales=x_scales)
+    meta = oracles.routing_metadata(
+        oracles.local_ids(ids, problem.num_experts),
+        problem.num_experts,
+        alignment=ALIGNMENT,
+        num_rows=lay["rows"].shape[0],
+    )
+    q, s = fn(
+        jnp.asarray(x),
+        jnp.asarray(w),
+        jnp.asarray(lay["expert_ids"], jnp.int32),
+        jnp.asarray(meta["source"], jnp.int32),
+        x_scales=jnp.asarray(x_scales),
+        w1_scales=jnp.asarray(w_scales),
+        alignment=ALIGNMENT,
+        config=config,
+        num_sms=num_sms,
+        interpret=interpret,
+    )
+    return (q, s), (x, w, x_scales, w_scales, lay)
+
+
+@pytest.mark.parametrize("interpret", IMPLS)
+@pytest.mark.parametrize(
+    ("config", "num_sms"),
+    [
+        pytest.param(None, None, id="heuristic"),
+        pytest.param(PAIRS, 3, id="pairs_3_sms"),
+        pytest.param(OVERLAPPED_PAIRS, 5, id="overlapped_pairs_5_sms"),
+    ],
+)
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_gathered_matches_float64_loop_and_the_contiguous_kernel(
+    interpret, config, num_sms, problem
+):
+    """Ids outside [0, E), padding rows (source -1), empty experts, one token, three K blocks
+    (one per step) and several tiles per program: against the float64 loop on the oracle's
+    permuted rows; compiled, bit for bit the contiguous kernel on XLA's gathered rows."""
+    (q, s), (x, w, x_scales, w_scales, lay) = _gathered(
+        problem, config=config, interpret=interpret, num_sms=num_sms
+    )
+    inter = problem.n // 2
+    assert q.shape == (lay["rows"].shape[0], inter) and q.dtype == FP8_DTYPE
+    assert s.shape == (lay["rows"].shape[0], inter // 128) and s.dtype == jnp.float32
+    _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
+    if interpret:
+        return  # interpret mode runs the reference itself
+    (q_ref, s_ref), _ = _gathered(
+        problem,
+        config=config,
+        interpret=False,
+        num_sms=num_sms,
+        fn=gather.gathered_act_quant_reference,
+    )
+    valid = np.asarray(lay["expert_ids"]) >= 0
+    np.testing.assert_array_equal(
+        np.asarray(q.view(jnp.uint8))[valid], np.asarray(q_ref.view(jnp.uint8))[valid]
+    )
+    np.testing.assert_array_equal(np.asarray(s)[valid], np.asarray(s_ref)[valid])
+
+
+def _gathered_call(**changes):
+    """The front on small zero operands with `changes`."""
+    args = dict(
+        x_tokens=jnp.zeros((8, 128), FP8_DTYPE),
+        w1=jnp.zeros((2, 256, 128), FP8_DTYPE),
+        expert_ids=jnp.zeros((128,), jnp.int32),
+        row_sources=jnp.zeros((128,), jnp.int32),
+        x_scales=jnp.ones((8, 1)),
+        w1_scales=jnp.ones((2, 2, 1)),
+        alignment=ALIGNMENT,
+        interpret=True,
+    )
+    args.update(changes)
+    return gather.gathered_act_quant(
+        args.pop("x_tokens"),
+        args.pop("w1"),
+        args.pop("expert_ids"),
+        args.pop("row_sources"),
+        **args,
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        (dict(alignment=64), ValueError, "alignment=64"),
+        (dict(row_sources=jnp.zeros((64,), jnp.int32)), ValueError, "row_sources"),
+        (dict(row_sources=jnp.zeros((128,), jnp.float32)), ValueError, "row_sources"),
+        (dict(x_scales=jnp.ones((8, 2))), ValueError, "x_scales"),
+        (dict(x_tokens=jnp.zeros((8, 1, 128), FP8_DTYPE)), ValueError, "x_tokens"),
+        (dict(x_tokens=jnp.zeros((8, 128), jnp.bfloat16)), TypeError, "float8_e4m3fn"),
+        (dict(activation="relu"), ValueError, "relu"),
+        (dict(config=mg.MosaicFp8GemmConfig(group_blocks=4)), ValueError, "groups of 1 or 2"),
+        (
+            dict(config=mg.MosaicFp8GemmConfig(skips_padding_blocks=True)),
+            ValueError,
+            "skips_padding_blocks",
+        ),
+    ],
+)
+def test_gathered_refuses_with_a_reason(changes, error, match):
+    with pytest.raises(error, match=match):
+        _gathered_call(**changes)
+
+
+def test_gathered_no_tokens_and_no_gradient():
+    q, s = _gathered_call(
+        x_tokens=jnp.zeros((0, 128), FP8_DTYPE),
+        x_scales=jnp.zeros((0, 1)),
+        expert_ids=jnp.zeros((0,), jnp.int32),
+        row_sources=jnp.zeros((0,), jnp.int32),
+    )
+    assert q.shape == (0, 128) and s.shape == (0, 1)
+    backend = grouped_gemm.GEMMS.get("mosaic_fp8_gathered_interpret")
+
+    def loss(tokens):
+        q, s = backend.gathered_act_quant(
+            tokens,
+            jnp.zeros((2, 256, 128), FP8_DTYPE),
+            jnp.zeros((128,), jnp.int32),
+            jnp.zeros((128,), jnp.int32),
+            x_scales=jnp.ones((8, 1)),
+            w1_scales=jnp.ones((2, 2, 1)),
+            alignment=ALIGNMENT,
+            activation="silu",
+        )
+        return jnp.sum(s)
+
+    with pytest.raises(TypeError, match="no gradient"):
+        jax.grad(loss)(jnp.zeros((8, 128), jnp.float32).astype(FP8_DTYPE))
+
+
+def test_smem_leaves_out_the_extra_row_slot_where_it_does_not_fit(monkeypatch):
+    """Shape B's config has room for the extra row slot (64 rows x 256 bytes and 128 scales);
+    with one byte less of shared memory than that needs, the slot is left out."""
+    config = mg.act_quant_heuristic_config(num_rows=81792, num_experts=128, k=2048, alignment=128)
+    assert gather.extra_x_slots(config, 2048) == gather.X_EXTRA_SLOTS == 1
+    needed = config.smem_bytes(jnp.bfloat16, 2048, is_gated=True) + 2 * (64 * 128 + 4 * 64)
+    assert needed <= mg.SMEM_LIMIT
+    monkeypatch.setattr(gather, "SMEM_LIMIT", needed)
+    assert gather.extra_x_slots(config, 2048) == 1
+    monkeypatch.setattr(gather, "SMEM_LIMIT", needed - 1)
+    assert gather.extra_x_slots(config, 2048) == 0
+
+
+# --- the backend and the layer --------------------------------------------------------------
+
+
+def test_backend_refuses_other_segments_and_the_layer_routes():
+    backend = grouped_gemm.GEMMS.get("mosaic_fp8_gathered_interpret")
+    problem = grouped_gemm.GemmProblem(
+        layout="contiguous",
+        n=256,
+        k=256,
+        num_experts=4,
+        num_pairs=256,
+        x_dtype="float8_e4m3fn",
+        w_dtype="float8_e4m3fn",
+        platform="cpu",
+        alignment=64,
+    )
+    assert "128-row pairs" in backend.unsupported_reason(problem)
+    weights = ExpertWeights(
+        w1=jax.ShapeDtypeStruct((4, 512, 256), FP8_DTYPE),
+        w2=jax.ShapeDtypeStruct((4, 256, 256), FP8_DTYPE),
+    )
+    gemms = select_gemms(
+        "xla",
+        weights,
+        layout="contiguous",
+        num_pairs=256,
+        x_dtype=FP8_DTYPE,
+        alignment=ALIGNMENT,
+        fused_act_quant="mosaic_fp8_gathered_interpret",
+    )
+    assert gemms.fuses_act_quant and gemms.gathers_rows
+    plain = select_gemms(
+        "xla",
+        weights,
+        layout="contiguous",
+        num_pairs=256,
+        x_dtype=FP8_DTYPE,
+        alignment=ALIGNMENT,
+        fused_act_quant="mosaic_fp8_interpret",
+    )
+    assert plain.fuses_act_quant and not plain.gathers_rows
+
+
+def test_the_rowless_layout_needs_the_tokens():
+    experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant="mosaic_fp8_interpret")
+    lay = permute.route(jnp.zeros((4, 1), jnp.int32), num_experts=2, alignment=128)
+    weights = ExpertWeights(
+        w1=jnp.zeros((2, 256, 128), FP8_DTYPE),
+        w2=jnp.zeros((2, 128, 128), FP8_DTYPE),
+        w1_scale=jnp.ones((2, 2, 1)),
+        w2_scale=jnp.ones((2, 1, 1)),
+    )
+    call = ExpertsCall(quant_config=Fp8BlockQuant())
+    gemms = experts.select_gemms(weights, num_tokens=4, topk=1, x_dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="pass prepared="):
+        experts.first_gemm_act_quant(lay, weights, gemms=gemms, call=call)
+
+
+@pytest.mark.parametrize(
+    "gemm", ["mosaic_fp8_interpret", pytest.param("deep_gemm", marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("case", ["layer", "one_token", "expert_map_holes"])
+def test_fused_moe_with_the_gathered_first_gemm(gemm, case):
+    """The layer with the gathered GEMM1 (128-row segments) equals the layer with the
+    contiguous fused GEMM1 bit for bit (the same codes into the same GEMM2 and weighted sum):
+    ids outside [0, E), an expert twice in a row, negative router weights; one token; global
+    experts held elsewhere (`expert_map`)."""
+    suffix = "_interpret" if gemm.endswith("interpret") else ""
+    args, scales = _fp8_layer(oracles.seed("gathered_layer", gemm, case))
+    x, w1, w2, weights, ids = args
+    kwargs = dict(scales)
+    if case == "one_token":
+        x, weights, ids = x[:1], weights[:1], ids[:1]
+    if case == "expert_map_holes":  # global experts 0-7, the even ones held here as 0-3
+        kwargs["expert_map"] = jnp.where(jnp.arange(8) % 2 == 0, jnp.arange(8) // 2, -1)
+        kwargs["global_num_experts"] = 8
+        ids = jnp.where(ids >= 0, 2 * ids, ids)
+
+    def layer(fused):
+        experts = ContiguousExperts(gemm=gemm, alignment=ALIGNMENT, fused_act_quant=fused + suffix)
+        return fused_moe(x, w1, w2, weights, ids, experts=experts, **kwargs)
+
+    got, want = layer("mosaic_fp8_gathered"), layer("mosaic_fp8")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+
+
+def test_a_permuted_layout_has_no_sources():
+    """`layouts.ContiguousLayout.sources` is None on a permuted layout."""
+    lay = permute.permute(jnp.ones((2, 128)), jnp.array([[1], [0]]), num_experts=2, alignment=1)
+    assert lay.sources is None and isinstance(lay, layouts.ContiguousLayout)
