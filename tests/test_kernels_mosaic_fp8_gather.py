@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from test_grouped_gemm import _problem as _gemm_problem
 from test_kernels_mosaic_fp8_gemm import (
     OVERLAPPED_PAIRS,
     PAIRS,
@@ -249,42 +250,26 @@ def test_smem_leaves_out_the_extra_row_slot_where_it_does_not_fit(monkeypatch):
 
 def test_backend_refuses_other_segments_and_the_layer_routes():
     backend = grouped_gemm.GEMMS.get("mosaic_fp8_gathered_interpret")
-    problem = grouped_gemm.GemmProblem(
-        layout="contiguous",
-        n=256,
-        k=256,
-        num_experts=4,
-        num_pairs=256,
-        x_dtype="float8_e4m3fn",
-        w_dtype="float8_e4m3fn",
-        platform="cpu",
-        alignment=64,
-    )
+    problem = _gemm_problem(alignment=64)
     assert "128-row pairs" in backend.unsupported_reason(problem)
     weights = ExpertWeights(
         w1=jax.ShapeDtypeStruct((4, 512, 256), FP8_DTYPE),
         w2=jax.ShapeDtypeStruct((4, 256, 256), FP8_DTYPE),
     )
-    gemms = select_gemms(
-        "xla",
-        weights,
-        layout="contiguous",
-        num_pairs=256,
-        x_dtype=FP8_DTYPE,
-        alignment=ALIGNMENT,
-        fused_act_quant="mosaic_fp8_gathered_interpret",
-    )
-    assert gemms.fuses_act_quant and gemms.gathers_rows
-    plain = select_gemms(
-        "xla",
-        weights,
-        layout="contiguous",
-        num_pairs=256,
-        x_dtype=FP8_DTYPE,
-        alignment=ALIGNMENT,
-        fused_act_quant="mosaic_fp8_interpret",
-    )
-    assert plain.fuses_act_quant and not plain.gathers_rows
+    for fused, gathers in (
+        ("mosaic_fp8_gathered_interpret", True),
+        ("mosaic_fp8_interpret", False),
+    ):
+        gemms = select_gemms(
+            "xla",
+            weights,
+            layout="contiguous",
+            num_pairs=256,
+            x_dtype=FP8_DTYPE,
+            alignment=ALIGNMENT,
+            fused_act_quant=fused,
+        )
+        assert gemms.fuses_act_quant and gemms.gathers_rows == gathers
 
 
 def test_the_rowless_layout_needs_the_tokens():
@@ -302,16 +287,14 @@ def test_the_rowless_layout_needs_the_tokens():
         experts.first_gemm_act_quant(lay, weights, gemms=gemms, call=call)
 
 
-@pytest.mark.parametrize(
-    "gemm", ["mosaic_fp8_interpret", pytest.param("deep_gemm", marks=pytest.mark.gpu)]
-)
+@pytest.mark.parametrize("gemm", ["xla", pytest.param("deep_gemm", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", ["layer", "one_token", "expert_map_holes"])
 def test_fused_moe_with_the_gathered_first_gemm(gemm, case):
     """The layer with the gathered GEMM1 (128-row segments) equals the layer with the
     contiguous fused GEMM1 bit for bit (the same codes into the same GEMM2 and weighted sum):
     ids outside [0, E), an expert twice in a row, negative router weights; one token; global
     experts held elsewhere (`expert_map`)."""
-    suffix = "_interpret" if gemm.endswith("interpret") else ""
+    suffix = "_interpret" if gemm == "xla" else ""  # GEMM1 in interpret mode beside XLA's GEMM2
     args, scales = _fp8_layer(oracles.seed("gathered_layer", gemm, case))
     x, w1, w2, weights, ids = args
     kwargs = dict(scales)
