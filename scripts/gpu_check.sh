@@ -12,8 +12,9 @@
 #       T=1024-6144 and the decode layer from T=512 to 8192 with "auto" beside the three FP8
 #       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
 #   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
-#       layer, "auto" and never fused, and its fused-GEMM1 variants), then `kernel_gaps` for
-#       both experts at B and A, then `call_timeline` at B (one waited call's host and device
+#       layer, "auto" and never fused, and its fused-GEMM1 variants, the gathered one too), then
+#       `kernel_gaps` for both experts at B and A and for the gathered GEMM1 at B (to the log),
+#       then `call_timeline` at B (one waited call's host and device
 #       timeline; 7 files to $OUT: the device tool brings back at most 8)
 #   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
 #       on one FP8 forward at shape B with each: every kernel's time, shared-memory bank conflicts
@@ -128,7 +129,7 @@ case "$mode" in
   prefill)
     status=0
     python3 -m moe_jax bench --shapes B A --variants moe_jax_fp8 moe_jax_fp8_unfused \
-      moe_jax_fp8_fused_act moe_jax_fp8_fused_act_skipping --iters 20 \
+      moe_jax_fp8_fused_act moe_jax_fp8_fused_act_skipping moe_jax_fp8_gathered --iters 20 \
       --json "$out/prefill_bench.json" 2>&1 | tee "$out/prefill.log" || status=1
     for shape in B A; do
       for experts in deep_gemm deep_gemm+mosaic_fp8; do
@@ -137,6 +138,9 @@ case "$mode" in
           || status=1
       done
     done
+    # the gathered GEMM1 at B, to the log only (the device tool brings back at most 8 files)
+    python3 -m moe_jax.cli.kernel_gaps --shape B --variant moe_jax_fp8_gathered --samples 3 \
+      2>&1 | tee -a "$out/prefill.log" || status=1
     python3 -m moe_jax.cli.call_timeline --shape B --json "$out/timeline_B.json" 2>&1 \
       | tee -a "$out/prefill.log" || status=1
     exit "$status"
