@@ -3,7 +3,9 @@
 permute -> GEMM1 -> act(gate) * up (-> requantize) -> GEMM2 -> weighted gather, on expert-major
 rows [M, H] (M = T*k plus each expert's segment padded to the GEMMs' alignment): the layout of
 DeepGEMM's contiguous GEMMs and torch's grouped GEMM. The gather at the end applies the router
-weights and sums each token's slots into [T, H]. `RESIDUAL_*` name what the backward keeps
+weights and sums each token's slots into [T, H]. With a fused GEMM1 that gathers its rows from
+the tokens (`GemmPair.gathers_rows`), the permute only routes: the layout has no rows.
+`RESIDUAL_*` name what the backward keeps
 (`RECOMPUTE_POLICIES`). The pieces both layouts share (`ExpertWeights`, `ExpertsCall`,
 `select_gemms`, `activate`) are in `moe_jax.experts`.
 """
@@ -69,7 +71,10 @@ class ContiguousExperts(Experts):
         `moe_jax.experts.FUSED_ACT_QUANT_MAX_K` (2048). There, beside DeepGEMM's GEMM2, it takes
         12-16 us off shape B's device span per forward on the H200 (858-868 us against 871-883,
         2026-12-04) and 4-9% off the forward on an H100 at H=1024-2048 (2026-12-05); at shape A
-        (H=7168) it is 7-17% slower (BENCHMARKS.md, "Prefill").
+        (H=7168) it is 7-17% slower (BENCHMARKS.md, "Prefill"). "mosaic_fp8_gathered" (opt-in,
+        `alignment=128`) reads GEMM1's rows from the tokens: the layer then routes (`route`)
+        instead of permuting, and the permuted rows are never copied (1% less device time at
+        shape B on an H100, 2026-12-06).
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
