@@ -133,7 +133,6 @@ def launch_gathered(
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
-            num_experts=num_experts,
             n=n,
             k=k,
             num_sms=num_sms,
@@ -172,7 +171,6 @@ def _kernel(
     q_gmem,
     scales_gmem,
     *,
-    num_experts: int,
     n: int,
     k: int,
     num_sms: int,
@@ -184,7 +182,6 @@ def _kernel(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    del num_experts
     bm, bn = BLOCK_M, config.block_n
     per_step = config.k_blocks_per_step(k)
     block_k = per_step * BLOCK_K
@@ -560,7 +557,10 @@ def gathered_act_quant(
             f"{config}: the gathered kernel takes the in-kernel tile order (groups of 1 or 2, "
             "no skips_padding_blocks)"
         )
-    if interpret:
+    num_experts, two_i, k = w1.shape
+    inter = two_i // 2
+    if interpret or min(num_rows, inter, k, x_tokens.shape[0]) == 0:
+        # interpret mode runs no inline PTX; with nothing to gather or sum, no kernel is needed
         return gathered_act_quant_reference(
             x_tokens,
             w1,
@@ -572,20 +572,7 @@ def gathered_act_quant(
             activation=activation,
             config=config,
             num_sms=num_sms,
-            interpret=True,
-        )
-    num_experts, two_i, k = w1.shape
-    inter = two_i // 2
-    if num_rows == 0 or inter == 0 or k == 0 or x_tokens.shape[0] == 0:
-        return gathered_act_quant_reference(
-            x_tokens,
-            w1,
-            expert_ids,
-            row_sources,
-            x_scales=x_scales,
-            w1_scales=w1_scales,
-            alignment=alignment,
-            activation=activation,
+            interpret=interpret,
         )
     q, scales_t = launch_gathered(
         x_tokens,
@@ -617,8 +604,9 @@ def gathered_act_quant_reference(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`gathered_act_quant` (same arguments) as XLA's gather of the rows (padding rows read
-    token 0) followed by `mosaic_fp8_gemm_act_quant_contiguous` (in interpret mode with
-    `interpret`), or its pure-JAX reference where there is nothing to compute."""
+    token 0; every row is zeros without tokens) followed by
+    `mosaic_fp8_gemm_act_quant_contiguous` (in interpret mode with `interpret`), which returns
+    without a kernel where there is nothing to compute."""
     from moe_jax.kernels import mosaic_fp8_gemm
 
     num_rows = row_sources.shape[0]
@@ -629,16 +617,6 @@ def gathered_act_quant_reference(
         sources = jnp.maximum(layouts.ids_as_int32(row_sources), 0)
         rows = jnp.take(x_tokens, sources, axis=0, mode="clip")
         row_scales = jnp.take(x_scales, sources, axis=0, mode="clip")
-    if num_rows == 0 or w1.shape[1] == 0 or w1.shape[2] == 0 or x_tokens.shape[0] == 0:
-        return mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_reference(
-            jnp.zeros(rows.shape, rows.dtype),
-            w1,
-            expert_ids,
-            x_scales=row_scales,
-            w1_scales=w1_scales,
-            alignment=alignment,
-            activation=activation,
-        )
     return mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_contiguous(
         rows,
         w1,

@@ -208,7 +208,10 @@ class GemmPair:
     gemm2: grouped_gemm.GroupedGemm
     alignment: int | None
     fuses_act_quant: bool = False
-    gathers_rows: bool = False
+
+    @property
+    def gathers_rows(self) -> bool:
+        return self.fuses_act_quant and self.gemm1.gathers_rows
 
 
 def select_gemms(
@@ -269,13 +272,7 @@ def select_gemms(
             f"quantization on the {layout} layout; choose one of "
             f"{list(FUSED_ACT_QUANT_GEMMS)} (contiguous layout)"
         )
-    return GemmPair(
-        gemm1=fused,
-        gemm2=gemm2,
-        alignment=alignment,
-        fuses_act_quant=True,
-        gathers_rows=getattr(fused, "gathers_rows", False),
-    )
+    return GemmPair(gemm1=fused, gemm2=gemm2, alignment=alignment, fuses_act_quant=True)
 
 
 def _auto_fused_gemm(

@@ -77,11 +77,14 @@ class GroupedGemm(abc.ABC):
         transpose [K/128, M] (DeepGEMM's MN-major scales, the Mosaic kernel's row-block
         loads). The contiguous layout's producers (permute, act*up + quantize) then write them
         that way, so XLA cancels the transposes and no copy runs between the kernels.
+      gathers_rows: the backend's fused GEMM1 reads the contiguous layout's rows from the
+        tokens (a `gathered_act_quant` method), so the layer need not copy them.
     """
 
     name: str = ""
     alignment: int = layouts.DEFAULT_ALIGNMENT
     is_scales_group_major: bool = False
+    gathers_rows: bool = False
 
     def layout_alignment(self, problem: GemmProblem) -> int:
         """The segment multiple to build `problem`'s contiguous layout with when the caller
