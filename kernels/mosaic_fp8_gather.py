@@ -20,13 +20,15 @@ per step (`k_blocks_per_step`):
 
     memory warpgroup (all 128 threads), over this SM's tiles and their K steps g = 0, 1, ...:
         wait until the compute warpgroups release row slot g % S_x (step g - S_x)
-        cp.async this thread's pieces of step g's rows and scales (`_gather`), one group
-        wait for its copies of step g - 1, fence them for the async proxy, arrive on step
-        g - 1's row barrier (128 arrivals complete it)
+        cp.async this thread's pieces of step g's rows and scales (`_gather`), then
+        `cp.async.mbarrier.arrive.noinc` on the slot's row barrier: the hardware arrives for
+        the thread once its copies have landed (128 arrivals complete it), and the thread
+        goes on at once
         wait until weight slot g % S is released; one thread: TMA of the [2, 128, 128 P]
         gate/up weight tile, on the slot's weight barrier
     compute warpgroups: as `kernels.mosaic_fp8_kernel` (wait for both barriers of the step,
-    the wgmmas and their scaling, release both slots), then the epilogue.
+    a proxy fence for the rows the cp.asyncs wrote, the wgmmas and their scaling, release
+    both slots), then the epilogue.
 
 Measured (H100, 2026-12-06, shape B, BENCHMARKS.md "Prefill"): the kernel takes 516-518 us per
 forward against 460-463 for the contiguous kernel on permuted rows, which the permute's 63.5 us
@@ -34,7 +36,11 @@ copy feeds: the layer's device time 929.5-930.9 us against 938.5-939.8. Reading 
 layout's order from a permuted copy took the kernel about 30 us less than reading them from the
 tokens (2026-12-06, standalone): the rest of the gap is where the rows come from, not the copy
 instructions. An L2 prefetch of the next tile's rows (`cp.async.bulk.prefetch.L2`) made it 70
-us slower.
+us slower. The memory warpgroup first waited for its own copies of step g - 1 (`cp.async.wait_group
+1`) and arrived itself: 561.6 / 574.2 us median over eight rounds against 561.7 with the
+hardware's arrival, which was faster in every round by 1.8-5.3% (standalone, H100,
+2026-12-06); letting two steps' copies be pending before that wait took 702 us (the arrival then
+also waited for the release of the slot before).
 
 Compiled only: Mosaic GPU's interpret mode runs no inline PTX. The CPU tests run its reference,
 `gathered_act_quant_reference` (the rows gathered by XLA, then the contiguous kernel, which has
@@ -197,8 +203,10 @@ def _kernel(
         x_smem=plgpu.SMEM((x_slots, bm, block_k), jnp.float8_e4m3fn, transforms=transforms),
         xs_smem=plgpu.SMEM((x_slots, per_step, bm), jnp.float32),
         w_smem=plgpu.SMEM((slots, 2, bn, block_k), jnp.float8_e4m3fn, transforms=transforms),
-        # x: the memory warpgroup's 128 threads arrive once their copies landed; w: the TMA
-        x_full=plgpu.Barrier(num_arrivals=1, num_barriers=x_slots),
+        # the row slots' mbarriers (8 bytes each; `_init_row_barriers`): each of the memory
+        # warpgroup's 128 threads arrives through its cp.asyncs. Pallas' barriers cannot be
+        # handed to inline PTX, which that arrival is
+        rows_landed=plgpu.SMEM((x_slots, 2), jnp.uint32),
         w_full=plgpu.Barrier(num_arrivals=1, num_barriers=slots),
         x_consumed=plgpu.Barrier(num_arrivals=num_compute_wgs, num_barriers=x_slots),
         w_consumed=plgpu.Barrier(num_arrivals=num_compute_wgs, num_barriers=slots),
@@ -209,7 +217,17 @@ def _kernel(
     )
 
     @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(x_smem, xs_smem, w_smem, x_full, w_full, x_consumed, w_consumed, **epilogue_scratch):
+    def _scope(
+        x_smem,
+        xs_smem,
+        w_smem,
+        rows_landed,
+        w_full,
+        x_consumed,
+        w_consumed,
+        **epilogue_scratch,
+    ):
+        _init_row_barriers(rows_landed)
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         num_tiles = num_blocks_gmem[0] * n_tiles
@@ -254,10 +272,7 @@ def _kernel(
                         s * per_step,
                     )
 
-                    @pl.when(g >= 1)
-                    def _previous_rows_landed():
-                        _await_own_copies(x_smem, newest_pending=1)
-                        plgpu.barrier_arrive(x_full.at[jax.lax.rem(g - 1, x_slots)])
+                    _arrive_when_own_copies_land(rows_landed.at[x_slot])
 
                     @pl.when(g >= slots)
                     def _w_slot_released():
@@ -272,11 +287,6 @@ def _kernel(
                         w_smem.at[w_slot],
                         w_full.at[w_slot],
                     )
-
-            @pl.when(total >= 1)
-            def _last_rows_landed():
-                _await_own_copies(x_smem, newest_pending=0)
-                plgpu.barrier_arrive(x_full.at[jax.lax.rem(total - 1, x_slots)])
 
             # the compute warpgroups' last releases, so that no barrier is left mid-phase
             @pl.loop(jnp.maximum(total - x_slots, 0), total)
@@ -306,7 +316,8 @@ def _kernel(
                     g = i * steps + s
                     x_slot = jax.lax.rem(g, x_slots)
                     w_slot = jax.lax.rem(g, slots)
-                    plgpu.barrier_wait(x_full.at[x_slot])
+                    _wait_for_rows(rows_landed.at[x_slot], jax.lax.rem(g // x_slots, 2))
+                    _fence_rows_for_async_proxy(x_smem.at[x_slot])
                     plgpu.barrier_wait(w_full.at[w_slot])
                     w_chunk = w_smem.at[w_slot, wg]
                     x_chunk = x_smem.at[x_slot]
@@ -382,7 +393,7 @@ def _gather(x_gmem, xs_gmem, sources, x_slot, xs_slot, first_k_block):
 
 
 def _emit_row_copies(x_ref, xs_ref, sources_ref, x_smem_ref, xs_smem_ref, first_k_block):
-    """Mosaic GPU (lane-level) body of `_gather`: addresses, the cp.asyncs, one commit group."""
+    """Mosaic GPU (lane-level) body of `_gather`: the addresses and the cp.asyncs."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, llvm, memref
@@ -473,29 +484,6 @@ def _emit_row_copies(x_ref, xs_ref, sources_ref, x_smem_ref, xs_smem_ref, first_
         predicate=is_scale,
         has_side_effects=True,
     )
-    mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
-
-
-def _await_own_copies(smem_ref, *, newest_pending: int) -> None:
-    """Waits for this thread's cp.async copies but the `newest_pending` newest steps' and fences
-    them for the async proxy (the wgmma reads them through it).
-
-    `smem_ref` only anchors the op: an `inline_mgpu` block without operands was dropped from
-    the kernel (the copies then raced the wgmma)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    transforms = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),))
-    def _wait(ctx, ref):
-        from jax.experimental.mosaic.gpu import utils as mgpu_utils
-        from jaxlib.mlir.dialects import nvvm
-
-        del ctx, ref
-        mgpu_utils.inline_ptx(f"cp.async.wait_group {newest_pending};", has_side_effects=True)
-        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-
-    _wait(smem_ref)
 
 
 def gathered_act_quant(
@@ -646,3 +634,100 @@ def _check_gathered(x_tokens, expert_ids, row_sources, x_scales, alignment) -> N
         raise ValueError(
             f"{alignment=}: the gathered kernel needs segments of whole {2 * BLOCK_M}-row pairs"
         )
+
+
+def _init_row_barriers(barriers_ref) -> None:
+    """Thread 0 makes each 8-byte row of `barriers_ref` (uint32 [slots, 2] in shared memory) an
+    mbarrier that completes after 128 arrivals, then the whole program syncs (every thread of the
+    program must call this, before any of them uses the barriers)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _init(ctx, ref):
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, gpu, llvm
+
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
+        is_first = arith.cmpi(
+            arith.CmpIPredicate.eq,
+            arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)),
+            mgpu_utils.c(0, i32),
+        )
+        for slot in range(ir.MemRefType(ref.type).shape[0]):
+            address = arith.addi(base, mgpu_utils.c(8 * slot, i32))
+            mgpu_utils.inline_ptx(
+                f"mbarrier.init.shared::cta.b64 [$0], {THREADS};",
+                address,
+                predicate=is_first,
+                has_side_effects=True,
+            )
+        mgpu_utils.inline_ptx("bar.sync 0;", has_side_effects=True, convergent=True)
+
+    _init(barriers_ref)
+
+
+def _wait_for_rows(barrier_ref, parity) -> None:
+    """Waits until the mbarrier `barrier_ref` (uint32 [2] in shared memory) completes its phase
+    of parity `parity` (int32, 0 or 1)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    def _wait(ctx, ref, phase):
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import llvm
+
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        mgpu_utils.inline_ptx(
+            "{\n.reg .pred landed;\nwait_for_rows:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 landed, [$0], $1;\n"
+            "@!landed bra wait_for_rows;\n}",
+            llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref)),
+            phase.registers.item(),
+            has_side_effects=True,
+        )
+
+    _wait(barrier_ref, parity)
+
+
+def _arrive_when_own_copies_land(barrier_ref) -> None:
+    """This thread's arrival on `barrier_ref` (one of the 128 a warpgroup barrier counts), made
+    by the hardware once every cp.async this thread issued so far has landed
+    (`cp.async.mbarrier.arrive.noinc`): the thread goes on without waiting."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _arrive(ctx, barrier):
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import llvm
+
+        del ctx
+        mgpu_utils.inline_ptx(
+            "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+            llvm.ptrtoint(ir.IntegerType.get_signless(32), mgpu_utils.memref_ptr(barrier)),
+            has_side_effects=True,
+        )
+
+    _arrive(barrier_ref)
+
+
+def _fence_rows_for_async_proxy(smem_ref) -> None:
+    """A proxy fence after the wait for a row slot: the cp.async copies wrote it through the
+    generic proxy, the wgmma reads it through the async one. `smem_ref` anchors the op."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    transforms = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),))
+    def _fence(ctx, ref):
+        from jaxlib.mlir.dialects import nvvm
+
+        del ctx, ref
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    _fence(smem_ref)
