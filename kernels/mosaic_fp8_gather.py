@@ -30,17 +30,20 @@ per step (`k_blocks_per_step`):
     a proxy fence for the rows the cp.asyncs wrote, the wgmmas and their scaling, release
     both slots), then the epilogue.
 
-Measured (H100, 2026-12-06, shape B, BENCHMARKS.md "Prefill"): the kernel takes 516-518 us per
-forward against 460-463 for the contiguous kernel on permuted rows, which the permute's 63.5 us
-copy feeds: the layer's device time 929.5-930.9 us against 938.5-939.8. Reading the rows in the
-layout's order from a permuted copy took the kernel about 30 us less than reading them from the
-tokens (2026-12-06, standalone): the rest of the gap is where the rows come from, not the copy
-instructions. An L2 prefetch of the next tile's rows (`cp.async.bulk.prefetch.L2`) made it 70
-us slower. The memory warpgroup first waited for its own copies of step g - 1 (`cp.async.wait_group
-1`) and arrived itself: 561.6 / 574.2 us median over eight rounds against 561.7 with the
-hardware's arrival, which was faster in every round by 1.8-5.3% (standalone, H100,
-2026-12-06); letting two steps' copies be pending before that wait took 702 us (the arrival then
-also waited for the release of the slot before).
+Measured (H100 only, shape B, BENCHMARKS.md "Prefill"). In the layer (2026-12-06 10:00-13:00
+UTC, `kernel_gaps`): the kernel takes 503.6 us per forward against 460.6 for the contiguous
+kernel on permuted rows, which the permute's 63.4 us copy feeds, so the forward's device time is
+913.0 us against 935.0 (2.4% less; `bench` 0.949 / 0.963 ms against 0.974 / 0.997). Alone, over
+eight alternating rounds each (medians): the memory warpgroup waiting for its own copies of step
+g - 1 (`cp.async.wait_group 1`) and arriving itself, the first form, took 574.2 us against
+561.7 with the hardware's arrival, which was faster in every round (1.8-5.3%); two steps of
+copies pending before that wait, 702 us (the arrival then also waits for the release of the
+slot before). The row scales loaded by TMA from a copy in the layout's order (XLA's gather
+included) and the consumer's proxy fence left out each changed it by under 1% (566.9 and
+566.1 against 570.7, contiguous 525.8): neither is where the gap is. Reading the rows in the
+layout's order from a permuted copy took the first form about 30 us less than reading them from
+the tokens; an L2 prefetch of the next tile's rows (`cp.async.bulk.prefetch.L2`) made it 70 us
+slower.
 
 Compiled only: Mosaic GPU's interpret mode runs no inline PTX. The CPU tests run its reference,
 `gathered_act_quant_reference` (the rows gathered by XLA, then the contiguous kernel, which has

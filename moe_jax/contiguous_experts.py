@@ -73,8 +73,9 @@ class ContiguousExperts(Experts):
         2026-12-04) and 4-9% off the forward on an H100 at H=1024-2048 (2026-12-05); at shape A
         (H=7168) it is 7-17% slower (BENCHMARKS.md, "Prefill"). "mosaic_fp8_gathered" (opt-in,
         `alignment=128`) reads GEMM1's rows from the tokens: the layer then routes (`route`)
-        instead of permuting, and the permuted rows are never copied (1% less device time at
-        shape B on an H100, 2026-12-06).
+        instead of permuting, and the permuted rows are never copied (2.4% less device time at
+        shape B on an H100, 913.0 us per forward against 935.0, 2026-12-06; not measured on
+        the H200, where the permute's copy costs less).
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
