@@ -43,7 +43,8 @@ included) and the consumer's proxy fence left out each changed it by under 1% (5
 566.1 against 570.7, contiguous 525.8): neither is where the gap is. Reading the rows in the
 layout's order from a permuted copy took the first form about 30 us less than reading them from
 the tokens; an L2 prefetch of the next tile's rows (`cp.async.bulk.prefetch.L2`) made it 70 us
-slower.
+slower, and an L2 evict-last policy on the tokens' copies (`createpolicy`, three forms) stopped
+it with an illegal instruction (not investigated).
 
 Compiled only: Mosaic GPU's interpret mode runs no inline PTX. The CPU tests run its reference,
 `gathered_act_quant_reference` (the rows gathered by XLA, then the contiguous kernel, which has

@@ -245,6 +245,58 @@ def test_smem_leaves_out_the_extra_row_slot_where_it_does_not_fit(monkeypatch):
     assert gather.extra_x_slots(config, 2048) == 0
 
 
+def _has_inline_ptx() -> bool:
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    return hasattr(mgpu_utils, "inline_ptx")
+
+
+@pytest.mark.skipif(
+    not _has_inline_ptx(), reason="Mosaic GPU's inline_ptx (the kernel's copies) needs jax>=0.11"
+)
+def test_kernel_lowers_for_hopper_with_the_hardware_reporting_the_rows():
+    """On any machine (CI's jax 0.11 pass): the compiled kernel lowers for sm_90, and its
+    memory warpgroup never waits for its own copies: each thread's cp.asyncs are followed by
+    `cp.async.mbarrier.arrive.noinc` on the slot's mbarrier (initialized for the warpgroup's
+    128 threads), which the compute warpgroups wait on."""
+    from moe_jax.kernels.lowering import lower_for_hopper
+
+    num_tokens, k, inter, num_experts, num_rows = 8, 256, 128, 2, 256
+    config = mg.act_quant_heuristic_config(
+        num_rows=num_rows, num_experts=num_experts, k=k, alignment=ALIGNMENT
+    )
+
+    def launch(x, x_scales, sources, w, expert_ids, w_scales):
+        return gather.launch_gathered(
+            x,
+            x_scales,
+            sources,
+            w,
+            expert_ids,
+            w_scales,
+            n=inter,
+            config=config,
+            num_sms=4,
+            activation="silu",
+        )
+
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_hopper(
+        launch,
+        spec((num_tokens, k), FP8_DTYPE),
+        spec((num_tokens, k // 128), jnp.float32),
+        spec((num_rows,), jnp.int32),
+        spec((2 * num_experts, inter, k), FP8_DTYPE),
+        spec((num_rows,), jnp.int32),
+        spec((num_experts, 2 * inter // 128, k // 128), jnp.float32),
+    ).as_text()
+    assert "cp.async.cg.shared.global" in text
+    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in text
+    assert f"mbarrier.init.shared::cta.b64 [$0], {gather.THREADS}" in text
+    assert "mbarrier.try_wait.parity" in text
+    assert "cp.async.wait_group" not in text
+
+
 # --- the backend and the layer --------------------------------------------------------------
 
 
