@@ -30,7 +30,7 @@ per step (`k_blocks_per_step`):
     a proxy fence for the rows the cp.asyncs wrote, the wgmmas and their scaling, release
     both slots), then the epilogue.
 
-Measured (H100 only, shape B, BENCHMARKS.md "Prefill"). In the layer (2026-12-06 10:00-13:00
+Measured (H100 only, shape B, BENCHMARKS.md "Prefill"). In the layer (2026-12-06 09:43-12:43
 UTC, `kernel_gaps`): the kernel takes 503.6 us per forward against 460.6 for the contiguous
 kernel on permuted rows, which the permute's 63.4 us copy feeds, so the forward's device time is
 913.0 us against 935.0 (2.4% less; `bench` 0.949 / 0.963 ms against 0.974 / 0.997). Alone, over
