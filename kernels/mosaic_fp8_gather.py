@@ -88,6 +88,14 @@ THREADS = 128  # one warpgroup
 TILE_BYTES = 8 * SWIZZLE  # one (8, 128) tile of FP8 in shared memory
 
 
+def has_inline_ptx() -> bool:
+    """Whether this jax's Mosaic GPU emits inline PTX (`mosaic.gpu.utils.inline_ptx`, from jax
+    0.11), which the compiled kernel's copies and barriers are written in."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    return hasattr(mgpu_utils, "inline_ptx")
+
+
 def extra_x_slots(config: MosaicFp8GemmConfig, k: int) -> int:
     """`X_EXTRA_SLOTS`, or 0 where the kernel's shared memory would then exceed a Hopper
     program's (`SMEM_LIMIT`)."""

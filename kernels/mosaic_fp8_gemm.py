@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from moe_jax import grouped_gemm, quant
 from moe_jax.activation import check_activation
 from moe_jax.kernels import grouped_gemm as gemm_kernels
-from moe_jax.kernels import mosaic_fp8_tiles
+from moe_jax.kernels import mosaic_fp8_gather, mosaic_fp8_tiles
 from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
 from moe_jax.kernels.mosaic_fp8_config import (
     BLOCK_M,
@@ -357,6 +357,12 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         alignment = problem.alignment
         if problem.layout == "contiguous" and alignment is not None and alignment % BLOCK_M:
             return f"alignment {alignment} is not a multiple of {BLOCK_M} rows"
+        if self.gathers_rows and not self.interpret and not mosaic_fp8_gather.has_inline_ptx():
+            return (
+                f"the gathered GEMM1 is written in inline PTX, which Mosaic GPU emits from jax "
+                f"0.11 (this is jax {jax.__version__}): upgrade jax, or take the contiguous "
+                "fused GEMM1 (fused_act_quant='mosaic_fp8')"
+            )
         if self.gathers_rows and (alignment is None or alignment % (2 * BLOCK_M)):
             return (
                 f"the gathered GEMM1 takes segments of whole {2 * BLOCK_M}-row pairs, not "
@@ -414,10 +420,9 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         """`contiguous_act_quant` of the layout's rows `x_tokens[row_sources]`, read from the
         tokens by the kernel (`kernels.mosaic_fp8_gather.gathered_act_quant`); forward only."""
         from moe_jax.act_quant import without_gradient
-        from moe_jax.kernels.mosaic_fp8_gather import gathered_act_quant
 
         return without_gradient(
-            lambda tokens: gathered_act_quant(
+            lambda tokens: mosaic_fp8_gather.gathered_act_quant(
                 tokens,
                 w1,
                 expert_ids,

@@ -245,14 +245,9 @@ def test_smem_leaves_out_the_extra_row_slot_where_it_does_not_fit(monkeypatch):
     assert gather.extra_x_slots(config, 2048) == 0
 
 
-def _has_inline_ptx() -> bool:
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    return hasattr(mgpu_utils, "inline_ptx")
-
-
 @pytest.mark.skipif(
-    not _has_inline_ptx(), reason="Mosaic GPU's inline_ptx (the kernel's copies) needs jax>=0.11"
+    not gather.has_inline_ptx(),
+    reason="Mosaic GPU's inline_ptx (the kernel's copies) needs jax>=0.11",
 )
 def test_kernel_lowers_for_hopper_with_the_hardware_reporting_the_rows():
     """On any machine (CI's jax 0.11 pass): the compiled kernel lowers for sm_90, and its
@@ -298,6 +293,20 @@ def test_kernel_lowers_for_hopper_with_the_hardware_reporting_the_rows():
 
 
 # --- the backend and the layer --------------------------------------------------------------
+
+
+def test_compiled_backend_refuses_a_jax_without_inline_ptx(monkeypatch):
+    """On a Hopper GPU with a jax whose Mosaic GPU emits no inline PTX (0.10), the compiled
+    backend says so and names the way out; the interpret twin (the reference) still runs."""
+    problem = _gemm_problem(platform="gpu", alignment=128)
+    compiled = mg.MosaicFp8Gemm(gathers_rows=True)
+    monkeypatch.setattr(mg, "_compute_capability", lambda: mg.HOPPER)
+    monkeypatch.setattr(gather, "has_inline_ptx", lambda: False)
+    reason = compiled.unsupported_reason(problem)
+    assert "inline PTX" in reason and "fused_act_quant='mosaic_fp8'" in reason
+    assert mg.MosaicFp8Gemm(gathers_rows=True, interpret=True).unsupported_reason(problem) is None
+    monkeypatch.setattr(gather, "has_inline_ptx", lambda: True)
+    assert compiled.unsupported_reason(problem) is None
 
 
 def test_backend_refuses_other_segments_and_the_layer_routes():
