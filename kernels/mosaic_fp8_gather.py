@@ -730,7 +730,9 @@ def _arrive_when_own_copies_land(barrier_ref) -> None:
 
 def _fence_rows_for_async_proxy(smem_ref) -> None:
     """A proxy fence after the wait for a row slot: the cp.async copies wrote it through the
-    generic proxy, the wgmma reads it through the async one. `smem_ref` anchors the op."""
+    generic proxy, the wgmma reads it through the async one. `smem_ref` only anchors the op:
+    an `inline_mgpu` block without operands was dropped from the kernel (the earlier wait for
+    the copies, 2026-12-06: the wgmma then raced them), so every block here takes a ref."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     transforms = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))
