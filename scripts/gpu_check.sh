@@ -13,7 +13,8 @@
 #       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
 #   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
 #       layer, "auto" and never fused, and its fused-GEMM1 variants, the gathered one too), then
-#       `kernel_gaps` for both experts at B and A and for the gathered GEMM1 at B (to the log),
+#       `kernel_gaps` for both experts at B and A and for the gathered GEMM1 at B, and
+#       `gather_bench` at B (both to the log),
 #       then `call_timeline` at B (one waited call's host and device
 #       timeline; 7 files to $OUT: the device tool brings back at most 8)
 #   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
@@ -138,9 +139,12 @@ case "$mode" in
           || status=1
       done
     done
-    # the gathered GEMM1 at B, to the log only (the device tool brings back at most 8 files)
+    # the gathered GEMM1 at B, to the log only (the device tool brings back at most 8 files):
+    # in the layer, then its front half against the permuted one in alternating rounds
     python3 -m moe_jax.cli.kernel_gaps --shape B --variant moe_jax_fp8_gathered --samples 3 \
       2>&1 | tee -a "$out/prefill.log" || status=1
+    python3 -m moe_jax.cli.gather_bench --shapes B --rounds 6 2>&1 | tee -a "$out/prefill.log" \
+      || status=1
     python3 -m moe_jax.cli.call_timeline --shape B --json "$out/timeline_B.json" 2>&1 \
       | tee -a "$out/prefill.log" || status=1
     exit "$status"

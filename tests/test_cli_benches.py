@@ -6,9 +6,10 @@ import os
 import shutil
 
 import jax
+import numpy as np
 import pytest
 
-from moe_jax.cli import gemm_sweep, interop_bench, kernel_bench, layer_report
+from moe_jax.cli import gather_bench, gemm_sweep, interop_bench, kernel_bench, layer_report
 from moe_jax.kernels import mosaic_fp8_gemm
 
 
@@ -350,3 +351,40 @@ def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch):
         "unpermute + reduce",
     ]
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_gather_bench_checks_the_forms_equal_then_times_alternating_rounds(tmp_path, capsys):
+    """The tiny shape (interpret mode off a GPU: a check of the command, not a timing): both
+    front halves agree bit for bit, each round times both, the JSON holds rounds and medians."""
+    path = tmp_path / "gather.json"
+    argv = ["--shapes", "tiny", "--rounds", "1", "--samples", "1", "--burst", "1"]
+    assert gather_bench.main([*argv, "--json", str(path)]) == 0
+    entry = json.loads(path.read_text())["shapes"]["tiny"]
+    (row,) = entry["per_round"]
+    assert entry["rounds"] == 1 and row["permuted"] > 0 and row["gathered"] > 0
+    assert row["ratio"] == pytest.approx(row["gathered"] / row["permuted"])
+    assert entry["gathered_faster_rounds"] == int(row["ratio"] < 1)
+    out = capsys.readouterr().out
+    assert "equal bit for bit" in out and "round 1/1" in out
+    with pytest.raises(SystemExit):
+        gather_bench.main(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_gather_bench_compares_valid_rows_only():
+    """`check_equal` ignores padding rows and names how many valid rows of codes and of scales
+    differ."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 255, (6, 4), dtype=np.uint8)
+    s = rng.random((6, 1), dtype=np.float32)
+    valid = np.array([True, True, False, True, False, True])
+    padding_differs = q.copy()
+    padding_differs[2] += 1
+    calls = {"permuted": lambda: (q, s), "gathered": lambda: (padding_differs, s)}
+    assert gather_bench.check_equal(calls, valid) is None
+    code_differs, scale_differs = q.copy(), s.copy()
+    code_differs[3, 1] += 1
+    scale_differs[0] *= 2
+    calls["gathered"] = lambda: (code_differs, scale_differs)
+    message = gather_bench.check_equal(calls, valid)
+    assert "1 rows of codes and 1 of scales" in message and "of 4 valid rows" in message
