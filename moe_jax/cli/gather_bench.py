@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from moe_jax import quant
+from moe_jax import permute, quant
 from moe_jax.cli import layer_bench
 from moe_jax.cli.timing import BURST, time_calls
 from moe_jax.contiguous_experts import ContiguousExperts
@@ -81,15 +81,16 @@ def front_halves(
         if not gemms.fuses_act_quant or gemms.gathers_rows != (form == "gathered"):
             raise RuntimeError(f"{form}: {gemms} is not the fused GEMM1 this form times")
 
-        def front(experts=experts, gemms=gemms, form=form):
-            arrange = experts.route if form == "gathered" else experts.permute
+        def front(experts=experts, gemms=gemms):
+            # as the layer arranges its tokens (`ContiguousExperts.apply`)
+            arrange = experts.route if gemms.gathers_rows else experts.permute
             lay = arrange(prepared, weights, expert_map=None, gemms=gemms)
             return experts.first_gemm_act_quant(
                 lay, weights, gemms=gemms, call=call, prepared=prepared
             )
 
         calls[form] = jax.jit(front)
-    lay = experts.route(prepared, weights, expert_map=None, gemms=gemms)
+    lay = permute.route(layer.topk_ids, num_experts=shape.num_experts, alignment=ALIGNMENT)
     return calls, np.asarray(lay.expert_ids) >= 0
 
 
