@@ -44,7 +44,13 @@ included) and the consumer's proxy fence left out each changed it by under 1% (5
 layout's order from a permuted copy took the first form about 30 us less than reading them from
 the tokens; an L2 prefetch of the next tile's rows (`cp.async.bulk.prefetch.L2`) made it 70 us
 slower, and an L2 evict-last policy on the tokens' copies (`createpolicy`, three forms) stopped
-it with an illegal instruction (not investigated).
+it with an illegal instruction (not investigated). Nor is the memory warpgroup's wait for the
+rows' token indices (2026-12-06 13:09-16:09 UTC, the layer's front half alone at B, eight
+alternating rounds, medians): a thread's 5 distinct indices loaded together before its first
+copy, in place of the 9 loads a step issued each beside its copy, took 593.9 us against 596.9
+(level: faster in 4 of 8 rounds); and a per-line L2 prefetch (`prefetch.global.L2`) of the
+tile's rows 1 or 2 steps ahead made it 1.5% and 3.4% slower (606.0, 617.9; permute + contiguous
+kernel 619.0 in the same rounds). Neither was kept.
 
 Compiled only: Mosaic GPU's interpret mode runs no inline PTX. The CPU tests run its reference,
 `gathered_act_quant_reference` (the rows gathered by XLA, then the contiguous kernel, which has
