@@ -25,6 +25,10 @@
 #       runs on H100s on 2026-12-05, every run of the plain path, with and without XLA's
 #       autotuner and command buffers; cause not found; on 2026-12-06 both runs passed at their
 #       first try on an H100), so each ncu run is tried up to 3 times
+#   bash scripts/gpu_check.sh gather     issue 14's gathered fused GEMM1 against the contiguous
+#       one "auto" runs at B: ncu on each (the forward's first Mosaic kernel) with its memory
+#       sections (DRAM bytes, L2 / L1 hit rates, cp.async and TMA traffic, summarized to the
+#       log) and its warp-stall samples per SASS instruction (7 files to $OUT)
 #   bash scripts/gpu_check.sh baseline [bench args]   today's code against an earlier commit's
 #       (`bash scripts/baseline_tree.sh COMMIT` here first, then carry .baseline): `bench` (by
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
@@ -53,6 +57,25 @@ mode="${1:-}"
 shift || true
 # `bench`'s arguments where the baseline and env modes are given none
 default_bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
+# find_ncu: sets ncu_bin to Nsight Compute's command line, or says it is missing
+find_ncu() {
+  ncu_bin=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
+  [ -x "$ncu_bin" ] || { echo "ncu not found (PATH, CUDA_HOME)" >&2; return 1; }
+}
+# ncu_tries OUTFILE NCU-ARGS...: ncu on one forward (--clock-control none: METHOD.md leaves the
+# clocks alone), stdout to OUTFILE, stderr to $ncu_log, up to 3 tries while the profiled
+# process crashes (see the epilogue mode)
+ncu_tries() {
+  local outfile=$1 try rc
+  shift
+  for try in 1 2 3; do
+    "$ncu_bin" --profile-from-start off --clock-control none "$@" > "$outfile" 2>> "$ncu_log"
+    rc=$?
+    echo "ncu try $try: exit status $rc" | tee -a "$ncu_log"
+    [ "$rc" -eq 0 ] && return 0
+  done
+  return "$rc"
+}
 case "$mode" in
   suite)
     workers=()
@@ -150,8 +173,8 @@ case "$mode" in
     exit "$status"
     ;;
   epilogue)
-    ncu_bin=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
-    [ -x "$ncu_bin" ] || { echo "ncu not found (PATH, CUDA_HOME)" >&2; exit 2; }
+    find_ncu || exit 2
+    ncu_log="$out/epilogue.log"
     metrics=gpu__time_duration.sum,smsp__inst_executed.sum
     for op in ld st; do
       metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_$op.sum
@@ -160,20 +183,6 @@ case "$mode" in
     # the raw page also lists the device's attributes: keep the metrics asked for
     columns='(gpu__time_duration|inst_executed|mem_shared_op_(ld|st))\.sum$'
     status=0
-    # ncu_tries OUTFILE NCU-ARGS...: ncu on one forward (--clock-control none: METHOD.md leaves
-    # the clocks alone), stdout to OUTFILE, up to 3 tries while the profiled process crashes
-    ncu_tries() {
-      local outfile=$1 try rc
-      shift
-      for try in 1 2 3; do
-        "$ncu_bin" --profile-from-start off --clock-control none "$@" > "$outfile" \
-          2>> "$out/epilogue.log"
-        rc=$?
-        echo "ncu try $try: exit status $rc" | tee -a "$out/epilogue.log"
-        [ "$rc" -eq 0 ] && return 0
-      done
-      return "$rc"
-    }
     # the fused GEMM1 (act*up + quantization in its epilogue) and the plain one + act_quant
     for experts in deep_gemm+mosaic_fp8 mosaic_fp8; do
       tag=${experts/+/_}
@@ -193,6 +202,40 @@ case "$mode" in
         > "$out/epilogue_${tag}_sass.csv" 2>> "$out/epilogue.log" || status=1
       python3 scripts/gpu_kernel_times.py --sass "$out/epilogue_${tag}_sass.csv" 2>&1 \
         | tee -a "$out/epilogue.log" || status=1
+    done
+    exit "$status"
+    ;;
+  gather)
+    find_ncu || exit 2
+    ncu_log="$out/gather.log"
+    # what the memory system does in the gathered fused GEMM1 and in the contiguous one that
+    # "auto" runs at B on permuted rows (each the forward's first Mosaic kernel): DRAM bytes,
+    # L2 and L1 hit rates, the cp.async (LDGSTS) and TMA traffic, then where each kernel's
+    # warps stall
+    columns='(gpu__time_duration|dram__bytes_(read|write)\.sum$|dram__throughput|hit_rate'
+    columns+='|lsu_mem_global_op_(ld|ldgsts)\.sum$|l1tex__m_xbar2l1tex_read_bytes\.sum$)'
+    status=0
+    for path in "--experts deep_gemm+mosaic_fp8" "--variant moe_jax_fp8_gathered"; do
+      tag=${path##* }
+      tag=${tag//+/_}
+      read -r -a forward_args <<< "$path"
+      forward=(python3 scripts/gpu_kernel_times.py B "${forward_args[@]}")
+      echo "== $tag: the GEMM1's memory workload" | tee -a "$ncu_log"
+      report="/tmp/gather_$tag"
+      ncu_tries "$out/gather_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+        --section SourceCounters --import-source no -f -o "$report" "${forward[@]}" \
+        || status=1
+      "$ncu_bin" --import "$report.ncu-rep" --csv --page raw --print-units base \
+        > "$out/gather_${tag}_raw.csv" 2>> "$ncu_log" || status=1
+      python3 scripts/gpu_kernel_times.py --summarize "$out/gather_${tag}_raw.csv" \
+        --columns "$columns" 2>&1 | tee -a "$ncu_log" || status=1
+      echo "== $tag: the GEMM1's stall samples" | tee -a "$ncu_log"
+      "$ncu_bin" --import "$report.ncu-rep" --page source --csv --print-source sass \
+        > "$out/gather_${tag}_sass.csv" 2>> "$ncu_log" || status=1
+      python3 scripts/gpu_kernel_times.py --sass "$out/gather_${tag}_sass.csv" 2>&1 \
+        | tee -a "$ncu_log" || status=1
     done
     exit "$status"
     ;;

@@ -5,12 +5,14 @@ tool).
         --csv --page raw python3 scripts/gpu_kernel_times.py A > kernels_A.csv
     python3 scripts/gpu_kernel_times.py --summarize kernels_A.csv
 
-Only the last forward (after warm-up) is inside the profiled range. `--experts NAME` runs the
-layer with that experts backend (`moe_jax.experts_names()`; "auto" by default), e.g.
-"deep_gemm+mosaic_fp8" for the fused Mosaic GEMM1. `--summarize` prints the metrics ncu wrote,
-kernel by kernel (the kernel time in us, counters as counted; `--columns REGEX` keeps the
-matching ones), and the sum over the kernels of each additive one, so one command compares,
-say, the shared-memory bank conflicts of two kernels (`bash scripts/gpu_check.sh epilogue`).
+Only the last forward (after warm-up) is inside the profiled range. `--experts NAME` runs the layer
+with that experts backend (`moe_jax.experts_names()`; "auto" by default), e.g.
+"deep_gemm+mosaic_fp8" for the fused Mosaic GEMM1; `--variant NAME` runs one of `bench`'s FP8
+variants instead (`layer_bench.FP8_VARIANTS`), e.g. "moe_jax_fp8_gathered". `--summarize` prints
+the metrics ncu wrote, kernel by kernel (the kernel time in us, counters as counted; `--columns
+REGEX` keeps the matching ones), and the sum over the kernels of each additive one, so one command
+compares, say, the shared-memory bank conflicts of two kernels (`bash scripts/gpu_check.sh
+epilogue`).
 `--sass` reads ncu's source page of one kernel (`ncu --import R.ncu-rep --page source --csv
 --print-source sass`, with the SourceCounters section collected) and says where its warps' stall
 samples sit: by loop level (instructions grouped by how often they ran: once per K step, once
@@ -42,15 +44,16 @@ _TIME = "gpu__time_duration.sum"  # printed in us, whatever unit ncu chose
 _US_PER_UNIT = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
 
 
-def profile(shape_name: str, experts: str) -> None:
-    """Runs the FP8 layer of `layer_bench.SHAPES[shape_name]` with `experts` three times, then
-    once inside the CUDA profiler's range (what `ncu --profile-from-start off` records)."""
+def profile(shape_name: str, experts: str, variant: str | None = None) -> None:
+    """Runs the FP8 layer of `layer_bench.SHAPES[shape_name]` with `experts` (or `bench`'s FP8
+    variant `variant`) three times, then once inside the CUDA profiler's range (what `ncu
+    --profile-from-start off` records)."""
     import jax
     import torch
 
     from moe_jax.cli import kernel_gaps
 
-    fn, args = kernel_gaps.forward_fn(shape_name, experts)
+    fn, args = kernel_gaps.forward_fn(shape_name, experts, variant=variant)
     for _ in range(3):
         jax.block_until_ready(fn(*args))
     torch.cuda.synchronize()
@@ -188,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", nargs="?", help="a layer_bench shape (A, B, ...)")
     parser.add_argument("--experts", default="auto", help="experts backend of the layer")
+    parser.add_argument(
+        "--variant",
+        help="profile this `bench` FP8 variant's forward instead (e.g. moe_jax_fp8_gathered)",
+    )
     parser.add_argument("--summarize", metavar="CSV", help="print the metrics of an ncu CSV")
     parser.add_argument(
         "--columns", metavar="REGEX", help="with --summarize: only the metrics matching REGEX"
@@ -201,7 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     elif args.summarize:
         print("\n".join(summarize(args.summarize, args.columns)))
     elif args.shape:
-        profile(args.shape, args.experts)
+        if args.variant is not None:
+            from moe_jax.cli import kernel_gaps
+
+            if args.experts != "auto":
+                parser.error("--variant chooses the forward's experts itself: drop --experts")
+            if error := kernel_gaps.variant_error(args.variant):
+                parser.error(error)
+        profile(args.shape, args.experts, args.variant)
     else:
         parser.error("give a shape to profile, --summarize CSV or --sass CSV")
 

@@ -1,7 +1,11 @@
-"""scripts/gpu_kernel_times.py's summary of an ncu CSV (the profiling itself needs a GPU and ncu:
-`bash scripts/gpu_check.sh epilogue` runs it there)."""
+"""scripts/gpu_kernel_times.py's summary of an ncu CSV and its command line (the profiling itself
+needs a GPU and ncu: `bash scripts/gpu_check.sh epilogue` and `gather` run it there), and the
+`gather` mode's own steps around ncu."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import script_modules
@@ -142,3 +146,89 @@ def test_sass_summary_refuses_other_pages(times, tmp_path):
     no_samples.write_text('"Address","Source","Instructions Executed"\n"0x0","NOP","1"\n')
     with pytest.raises(ValueError, match="collect --section SourceCounters"):
         times.sass_summary(str(no_samples))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["B", "--variant", "nonsense"], "unknown --variant 'nonsense'"),
+        (
+            ["B", "--variant", "moe_jax_fp8_gathered", "--experts", "deep_gemm"],
+            "--variant chooses the forward's experts itself: drop --experts",
+        ),
+    ],
+)
+def test_variant_is_checked_before_anything_runs(times, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        times.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# Nsight Compute needs a GPU; this stand-in takes its place in the test below only, to hold
+# `gpu_check.sh gather`'s own steps (which ncu runs, with what, and what it does with their
+# output) to account on the CPU: it logs its arguments, "profiles" by creating the report file
+# named after -o, and prints the given CSV pages on --import
+FAKE_NCU = """#!/usr/bin/env bash
+echo "$*" >> "$FAKE_NCU_CALLS"
+case " $* " in
+  *" --import "*" --page raw "*) cat "$FAKE_NCU_RAW" ;;
+  *" --import "*" --page source "*) cat "$FAKE_NCU_SASS" ;;
+  *)
+    args=("$@")
+    for i in "${!args[@]}"; do
+      if [ "${args[$i]}" = -o ]; then touch "${args[$((i + 1))]}.ncu-rep"; fi
+    done
+    ;;
+esac
+"""
+
+
+def test_gpu_check_gather_profiles_both_gemm1s_and_summarizes_them(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ncu").write_text(FAKE_NCU)
+    (bin_dir / "ncu").chmod(0o755)
+    raw = tmp_path / "raw.csv"
+    raw.write_text(
+        '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+        '"Block Size","Grid Size","Device","CC","gpu__time_duration.sum","dram__bytes_read.sum",'
+        '"lts__t_sector_hit_rate.pct","sm__cycles_elapsed.avg"\n'
+        + '"","","","","","","","","","","","nsecond","byte","%","cycle"\n'
+        + '"0","1","python3","h","mosaic_gpu_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0",'
+        '"9.0","503,600","301,000,000","41.5","1000"\n'
+    )
+    sass = _sass_csv(
+        tmp_path, [("      LDGSTS.E.BYPASS.128 [R1], [R2.64]", "30", "4,000", "0", "25", "5")]
+    )
+    out = tmp_path / "out"
+    calls = tmp_path / "calls.txt"
+    path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]])
+    env = {
+        "OUT": str(out),
+        "PATH": path,
+        "FAKE_NCU_CALLS": str(calls),
+        "FAKE_NCU_RAW": str(raw),
+        "FAKE_NCU_SASS": sass,
+    }
+    done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "gather"], env, 120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tags = ["deep_gemm_mosaic_fp8", "moe_jax_fp8_gathered"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gather.log"]
+        + [f"gather_{tag}_{part}" for tag in tags for part in ("ncu.log", "raw.csv", "sass.csv")]
+    )  # 7 files: the device tool brings back at most 8
+    profiled = [line for line in calls.read_text().splitlines() if "--import " not in line]
+    assert len(profiled) == 2
+    for line, forward in zip(
+        profiled, ["--experts deep_gemm+mosaic_fp8", "--variant moe_jax_fp8_gathered"], strict=True
+    ):
+        assert "--kernel-name regex:mosaic --launch-count 1" in line
+        assert "--section MemoryWorkloadAnalysis " in line and "--section SourceCounters" in line
+        assert line.endswith(f"python3 scripts/gpu_kernel_times.py B {forward}")
+    log = (out / "gather.log").read_text()
+    # the raw page summarized with the memory columns only, then the stall samples, per GEMM1
+    assert log.count("dram__bytes_read.sum") == 4  # each kernel's line and the sum, twice
+    assert log.count("lts__t_sector_hit_rate.pct") == 2 and "sm__cycles_elapsed" not in log
+    assert log.count("503.6") == 4
+    assert log.count("1 instructions, 30 stall samples") == 2
