@@ -59,6 +59,8 @@ def test_bench_writes_json_and_plot(tmp_path, capsys):
     assert rows["moe_jax_fp8"]["rel_err"] < 0.1
     assert rows["moe_jax_fp8_unfused"]["rel_err"] < 0.1  # never fused: runs everywhere
     assert rows["jax_ragged_dot_bf16"]["rel_err"] < 0.02
+    # the first call compiles: it takes longer than a compiled call
+    assert rows["moe_jax_fp8"]["first_call_s"] * 1e3 > rows["moe_jax_fp8"]["latency_ms"]
     stages = [s["stage"] for s in result["breakdown"]["small"]]
     if jax.default_backend() == "cpu":
         assert rows["jax_mosaic_bf16"]["skipped"] == "needs an NVIDIA GPU"

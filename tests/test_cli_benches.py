@@ -323,6 +323,20 @@ def test_bench_table_columns_fit_the_longest_variant_name():
     assert lines[4].split() == ["B", "moe_jax_bf16", "skipped:", "no", "GPU"]
 
 
+def test_bench_table_gives_the_first_call_where_it_was_timed():
+    timed = dict(ms=0.9, tflops=600.0, rel_err=4.3e-2, latency_ms=1.2)
+    rows = [
+        dict(shape="B", variant="moe_jax_fp8", first_call_s=61.25, **timed),
+        dict(shape="B", variant="torch_deep_gemm_fp8", **timed),  # no first call of its own
+    ]
+    lines = layer_report.format_table(rows).splitlines()
+    assert lines[0].endswith("latency ms 1st call s")
+    assert lines[2].split()[-2:] == ["1.200", "61.2"]
+    assert lines[2].index("61.2") + 4 == len(lines[0])  # right-aligned under its header
+    assert lines[3].split()[-2:] == ["1.200", "-"]
+    assert "1st call s: the first call, compilation included" in lines[4]
+
+
 @pytest.mark.slow
 @pytest.mark.mosaic_interpret  # the interpret-mode kernel: on a GPU host, on its CPU device
 def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch):

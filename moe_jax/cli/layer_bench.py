@@ -4,7 +4,9 @@ Every variant runs the same routed layer (random tokens, softmax top-k routing) 
 against a float32 reference on the same weights before it is timed. Times come from
 `moe_jax.cli.timing` (the one timing loop): "ms" is the median per-call time of bursts of
 back-to-back calls (a layer inside a model whose host runs ahead), "latency ms" the median of
-single waited-for calls. TFLOPS count the routed work only: 6 * T * k * H * I.
+single waited-for calls, "1st call s" the wall time of a JAX variant's first call (tracing and
+compilation included, the wait a notebook user sees; a program this process compiled before is
+not compiled again). TFLOPS count the routed work only: 6 * T * k * H * I.
 
 Variants (each runs where it can; the table says why one did not):
   jax_ragged_dot_bf16   argsort + jax.lax.ragged_dot (what a JAX user writes today)
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
@@ -308,7 +311,10 @@ def _graph_experts(
 
 def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
     """One table row: times, error against the float32 reference, or why it was skipped; with
-    what the GPU's clock did while the variant was timed ("clocks", where nvidia-smi runs)."""
+    what the GPU's clock did while the variant was timed ("clocks", where nvidia-smi runs).
+    A JAX variant's row also holds its first call's wall time in seconds ("first_call_s"):
+    tracing and compiling included, unless this process compiled the same program before
+    (DeepGEMM's own JIT compiles run before it, when the variant is built)."""
     clocks = gpu_clocks.ClockMonitor()
     if name == "torch_deep_gemm_fp8":
         from moe_jax.cli import torch_baseline
@@ -318,16 +324,21 @@ def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
         if isinstance(result, str):
             return dict(skipped=result)
         out, ms, latency_ms = result
+        first_call_s = None  # the torch pipeline's first call ran inside its own check
     else:
         built = jax_variant(name, layer)
         if isinstance(built, str):
             return dict(skipped=built)
         fn, args = built
-        out = fn(*args)
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        first_call_s = time.perf_counter() - start
         with clocks:
             ms, latency_ms = time_jax(fn, args, iters=iters)
     ref = refs["fp8" if "_fp8" in name else "bf16"]
     row = dict(ms=ms, latency_ms=latency_ms, rel_err=rel_error(out, ref))
+    if first_call_s is not None:
+        row["first_call_s"] = first_call_s
     if clocks.summary is not None:
         row["clocks"] = dataclasses.asdict(clocks.summary)
     return row

@@ -15,7 +15,7 @@ def format_table(rows: list[dict]) -> str:
     width = max([22, *(len(r["variant"]) for r in rows)])  # the variant column fits every name
     header = (
         f"{'shape':<6} {'variant':<{width}} {'ms':>9} {'TFLOPS':>8} {'x best base':>11}"
-        f" {'rel. err':>9} {'latency ms':>10}"
+        f" {'rel. err':>9} {'latency ms':>10} {'1st call s':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -23,13 +23,15 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"{r['shape']:<6} {r['variant']:<{width}} skipped: {r['skipped']}")
             continue
         ratio = f"{r['vs_best_baseline']:.2f}" if "vs_best_baseline" in r else "-"
+        first = f"{r['first_call_s']:.1f}" if "first_call_s" in r else "-"
         lines.append(
             f"{r['shape']:<6} {r['variant']:<{width}} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
-            f"{ratio:>11} {r['rel_err']:>9.2e} {r['latency_ms']:>10.3f}"
+            f"{ratio:>11} {r['rel_err']:>9.2e} {r['latency_ms']:>10.3f} {first:>10}"
         )
     lines.append(
         "ms: per forward, 10 calls back to back (host ahead, as in a model); latency: one "
-        "call waited for. x best base: best baseline ms / ms."
+        "call waited for. x best base: best baseline ms / ms. 1st call s: the first call, "
+        "compilation included (not where this process compiled the same program before)."
     )
     clocks = [r for r in rows if r.get("clocks")]
     if clocks:
