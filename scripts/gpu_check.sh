@@ -76,6 +76,13 @@ ncu_tries() {
   done
   return "$rc"
 }
+# stall_summary REPORT SASS_CSV: the warp-stall samples per SASS instruction of the ncu report
+# REPORT.ncu-rep (collected with --section SourceCounters) to SASS_CSV, summarized to $ncu_log
+stall_summary() {
+  "$ncu_bin" --import "$1.ncu-rep" --page source --csv --print-source sass > "$2" \
+    2>> "$ncu_log" || return 1
+  python3 scripts/gpu_kernel_times.py --sass "$2" 2>&1 | tee -a "$ncu_log"
+}
 case "$mode" in
   suite)
     workers=()
@@ -198,10 +205,7 @@ case "$mode" in
       ncu_tries "$out/epilogue_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
         --section SourceCounters --section WarpStateStats --import-source no -f -o "$report" \
         "${forward[@]}" || status=1
-      "$ncu_bin" --import "$report.ncu-rep" --page source --csv --print-source sass \
-        > "$out/epilogue_${tag}_sass.csv" 2>> "$out/epilogue.log" || status=1
-      python3 scripts/gpu_kernel_times.py --sass "$out/epilogue_${tag}_sass.csv" 2>&1 \
-        | tee -a "$out/epilogue.log" || status=1
+      stall_summary "$report" "$out/epilogue_${tag}_sass.csv" || status=1
     done
     exit "$status"
     ;;
@@ -232,10 +236,7 @@ case "$mode" in
       python3 scripts/gpu_kernel_times.py --summarize "$out/gather_${tag}_raw.csv" \
         --columns "$columns" 2>&1 | tee -a "$ncu_log" || status=1
       echo "== $tag: the GEMM1's stall samples" | tee -a "$ncu_log"
-      "$ncu_bin" --import "$report.ncu-rep" --page source --csv --print-source sass \
-        > "$out/gather_${tag}_sass.csv" 2>> "$ncu_log" || status=1
-      python3 scripts/gpu_kernel_times.py --sass "$out/gather_${tag}_sass.csv" 2>&1 \
-        | tee -a "$ncu_log" || status=1
+      stall_summary "$report" "$out/gather_${tag}_sass.csv" || status=1
     done
     exit "$status"
     ;;
