@@ -5,8 +5,9 @@ against a float32 reference on the same weights before it is timed. Times come f
 `moe_jax.cli.timing` (the one timing loop): "ms" is the median per-call time of bursts of
 back-to-back calls (a layer inside a model whose host runs ahead), "latency ms" the median of
 single waited-for calls, "1st call s" the wall time of a JAX variant's first call (tracing and
-compilation included, the wait a notebook user sees; a program this process compiled before is
-not compiled again). TFLOPS count the routed work only: 6 * T * k * H * I.
+compilation included, DeepGEMM's JIT too where its cache lacks the shape: the wait a notebook
+user sees; a program this process compiled before is not compiled again). TFLOPS count the
+routed work only: 6 * T * k * H * I.
 
 Variants (each runs where it can; the table says why one did not):
   jax_ragged_dot_bf16   argsort + jax.lax.ragged_dot (what a JAX user writes today)
@@ -313,8 +314,9 @@ def run_variant(name: str, layer: Layer, refs: dict, *, iters: int) -> dict:
     """One table row: times, error against the float32 reference, or why it was skipped; with
     what the GPU's clock did while the variant was timed ("clocks", where nvidia-smi runs).
     A JAX variant's row also holds its first call's wall time in seconds ("first_call_s"):
-    tracing and compiling included, unless this process compiled the same program before
-    (DeepGEMM's own JIT compiles run before it, when the variant is built)."""
+    tracing and XLA's compilation included, unless this process compiled the same program
+    before, and DeepGEMM's JIT compilation of any shape its cache (`DG_JIT_CACHE_DIR`) lacks
+    (the "_graph" variants run DeepGEMM once when they are built, so theirs comes before)."""
     clocks = gpu_clocks.ClockMonitor()
     if name == "torch_deep_gemm_fp8":
         from moe_jax.cli import torch_baseline
