@@ -76,6 +76,12 @@ ncu_tries() {
   done
   return "$rc"
 }
+# ncu_report_dir: a fresh folder for this run's ncu reports (too large for $OUT's 8 files),
+# removed when the script exits
+ncu_report_dir() {
+  report_dir=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_ncu.XXXXXX")
+  trap 'rm -rf "$report_dir"' EXIT
+}
 # stall_summary REPORT SASS_CSV: the warp-stall samples per SASS instruction of the ncu report
 # REPORT.ncu-rep (collected with --section SourceCounters) to SASS_CSV, summarized to $ncu_log
 stall_summary() {
@@ -181,6 +187,7 @@ case "$mode" in
     ;;
   epilogue)
     find_ncu || exit 2
+    ncu_report_dir
     ncu_log="$out/epilogue.log"
     metrics=gpu__time_duration.sum,smsp__inst_executed.sum
     for op in ld st; do
@@ -201,7 +208,7 @@ case "$mode" in
         --columns "$columns" 2>&1 | tee -a "$out/epilogue.log" || status=1
       # the forward's first Mosaic kernel is its GEMM1 on both paths
       echo "== $experts: GEMM1's stall samples" | tee -a "$out/epilogue.log"
-      report="/tmp/epilogue_$tag"
+      report="$report_dir/epilogue_$tag"
       ncu_tries "$out/epilogue_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
         --section SourceCounters --section WarpStateStats --import-source no -f -o "$report" \
         "${forward[@]}" || status=1
@@ -211,6 +218,7 @@ case "$mode" in
     ;;
   gather)
     find_ncu || exit 2
+    ncu_report_dir
     ncu_log="$out/gather.log"
     # what the memory system does in the gathered fused GEMM1 and in the contiguous one that
     # "auto" runs at B on permuted rows (each the forward's first Mosaic kernel): DRAM bytes,
@@ -225,7 +233,7 @@ case "$mode" in
       read -r -a forward_args <<< "$path"
       forward=(python3 scripts/gpu_kernel_times.py B "${forward_args[@]}")
       echo "== $tag: the GEMM1's memory workload" | tee -a "$ncu_log"
-      report="/tmp/gather_$tag"
+      report="$report_dir/gather_$tag"
       ncu_tries "$out/gather_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
