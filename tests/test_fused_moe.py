@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import re
 
 import jax
 import jax.numpy as jnp
@@ -596,7 +595,7 @@ BAD_INPUTS = [
     pytest.param(
         dict(experts="cutlass"),
         ValueError,
-        r"unknown experts 'cutlass'.*" + ".*".join(map(re.escape, experts_names())),
+        r"unknown experts 'cutlass'",  # the list of valid names: the test below
         id="experts_name",
     ),
 ]
@@ -606,6 +605,18 @@ BAD_INPUTS = [
 def test_bad_input_raises_naming_the_argument(change, error, match):
     with pytest.raises(error, match=match):
         _call(_good(), **change)
+
+
+def test_an_unknown_experts_name_lists_every_valid_one_in_order():
+    """Checked by position, not by one regex: `".*".join` over the 61 names backtracked for 80 s
+    on the CPU."""
+    with pytest.raises(ValueError, match=r"unknown experts 'cutlass'") as raised:
+        _call(_good(), experts="cutlass")
+    message, position = str(raised.value), 0
+    for name in experts_names():
+        found = message.find(repr(name), position)
+        assert found >= 0, f"{name!r} missing (or out of order) in {message!r}"
+        position = found + len(repr(name))
 
 
 @pytest.mark.parametrize(
