@@ -385,6 +385,34 @@ def test_gather_bench_checks_the_forms_equal_then_times_alternating_rounds(tmp_p
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", sorted(gather_bench.VARIED_B))
+def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
+    """Each varied shape differs from B where named, and "auto" on a GPU would fuse its GEMM1
+    (the comparison's point: where taking the gathered form would change "auto")."""
+    from moe_jax.experts import fused_act_quant_preference
+    from moe_jax.grouped_gemm import GemmProblem
+
+    shape, base = gather_bench.SHAPES[name], gather_bench.SHAPES["B"]
+    changed = {
+        field: getattr(shape, field)
+        for field in ("num_tokens", "num_experts", "topk", "hidden", "intermediate")
+        if getattr(shape, field) != getattr(base, field)
+    }
+    assert changed == gather_bench.VARIED_B[name] and shape.name == name
+    problem = GemmProblem(
+        layout="contiguous",
+        n=2 * shape.intermediate,
+        k=shape.hidden,
+        num_experts=shape.num_experts,
+        num_pairs=shape.num_tokens * shape.topk,
+        x_dtype="float8_e4m3fn",
+        w_dtype="float8_e4m3fn",
+        platform="gpu",
+        alignment=gather_bench.ALIGNMENT,
+    )
+    assert fused_act_quant_preference(problem, "silu") == ("mosaic_fp8",)
+
+
 def test_gather_bench_compares_valid_rows_only():
     """`check_equal` ignores padding rows and names how many valid rows of codes and of scales
     differ."""

@@ -20,6 +20,10 @@ compare.
 
     python -m moe_jax.cli.gather_bench --shapes B --rounds 8 [--json gather.json]
 
+Besides `bench`'s shapes, `--shapes` takes shape B varied one size at a time (`VARIED_B`):
+B_h1024 (H=1024), B_t2048 (T=2048), B_e32 (T=4096, E=32, I=2048), where "auto" fuses GEMM1 too
+and taking the gathered form would change it.
+
 Without a GPU both forms run their interpret-mode twins ("_interpret": the gathered one is its
 reference, XLA's gather and the contiguous kernel), on the "tiny" shape by default: a check of
 the command, not a timing.
@@ -28,6 +32,7 @@ the command, not a timing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -45,8 +50,20 @@ from moe_jax.experts import ExpertsCall, ExpertWeights
 from moe_jax.prepare_finalize import PreparedTokens
 
 ALIGNMENT = 128  # the gathered kernel's segments: whole pairs of 64-row blocks
+# beside `bench`'s: shape B varied one size at a time, within where "auto" fuses GEMM1 (H up to
+# `moe_jax.experts.FUSED_ACT_QUANT_MAX_K`) and where its fused-GEMM1 rule was timed (BENCHMARKS.md,
+# "Prefill", 2026-12-05): what "auto" taking the gathered form would change besides shape B
+VARIED_B = {
+    "B_h1024": dict(hidden=1024),
+    "B_t2048": dict(num_tokens=2048),
+    "B_e32": dict(num_tokens=4096, num_experts=32, intermediate=2048),
+}
 SHAPES = {
     **layer_bench.SHAPES,
+    **{
+        name: dataclasses.replace(layer_bench.SHAPES["B"], name=name, **changes)
+        for name, changes in VARIED_B.items()
+    },
     "tiny": layer_bench.BenchShape(
         name="tiny", num_tokens=8, num_experts=2, topk=1, hidden=128, intermediate=128
     ),
