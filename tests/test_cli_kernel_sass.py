@@ -5,6 +5,7 @@ Triton module per pallas_call, cleaned for Triton's parser; with the `triton` pa
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 
 import pytest
 
@@ -27,11 +28,21 @@ def test_kernels_lists_every_builder():
     assert kernel_sass.KERNELS == tuple(kernel_sass._kernel_calls())
 
 
-def test_main_prints_a_row_per_pallas_call(capsys):
+def test_main_prints_a_row_per_pallas_call_and_removes_its_work_folder(
+    capsys, monkeypatch, tmp_path
+):
+    """Without --keep the IR and cubins go to a temporary folder that is gone on return; with
+    --keep DIR the folder stays."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert kernel_sass.main(["--kernels", "group_quant", "act_and_quant"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| kernel | pallas_call |")
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| group_quant", "| act_and_quant"]
+    assert f"in {tmp_path}/kernel_sass_" in out and not list(tmp_path.iterdir())
+    kept = tmp_path / "kept"
+    assert kernel_sass.main(["--kernels", "group_quant", "--keep", str(kept)]) == 0
+    assert f"in {kept}" in capsys.readouterr().out and kept.is_dir()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

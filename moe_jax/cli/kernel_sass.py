@@ -307,6 +307,28 @@ def compile_sass(module: TritonModule, workdir: str, *, top: int) -> SassSummary
     )
 
 
+def _print_table(args: argparse.Namespace, calls: dict, workdir: str, compiles: bool) -> None:
+    """The table of `args.kernels`' modules; their IR and cubins (with triton) in `workdir`."""
+    print(f"jax={jax.__version__} target=sm_{TARGET_ARCH} ir and cubins in {workdir}")
+    columns = ["kernel", "pallas_call", "warps", "stages", "IR lines", "registers", "spills"]
+    columns += ["SASS", "top opcodes"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for kernel in args.kernels:
+        fn, fn_args = calls[kernel]()
+        for module in triton_modules(fn, fn_args):
+            row = f"| {kernel} | {module.name} | {module.num_warps} | {module.num_stages} | "
+            row += f"{module.ir.count(chr(10))} | "
+            if not compiles:
+                print(row + "| | | |")
+                continue
+            summary = compile_sass(module, workdir, top=args.top)
+            top = ", ".join(f"{op} {count}" for op, count in summary.opcodes)
+            print(
+                row + f"{summary.registers} | {summary.spills} | {summary.instructions} | {top} |"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
@@ -323,26 +345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     calls = _kernel_calls()
-    workdir = args.keep or tempfile.mkdtemp(prefix="kernel_sass_")
-    os.makedirs(workdir, exist_ok=True)
-    print(f"jax={jax.__version__} target=sm_{TARGET_ARCH} ir and cubins in {workdir}")
-    columns = ["kernel", "pallas_call", "warps", "stages", "IR lines", "registers", "spills"]
-    columns += ["SASS", "top opcodes"]
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for kernel in args.kernels:
-        fn, fn_args = calls[kernel]()
-        for module in triton_modules(fn, fn_args):
-            row = f"| {kernel} | {module.name} | {module.num_warps} | {module.num_stages} | "
-            row += f"{module.ir.count(chr(10))} | "
-            if triton is None:
-                print(row + "| | | |")
-                continue
-            summary = compile_sass(module, workdir, top=args.top)
-            top = ", ".join(f"{op} {count}" for op, count in summary.opcodes)
-            print(
-                row + f"{summary.registers} | {summary.spills} | {summary.instructions} | {top} |"
-            )
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+        _print_table(args, calls, args.keep, triton is not None)
+    else:  # the IR and cubins go to a folder removed on return
+        with tempfile.TemporaryDirectory(prefix="kernel_sass_") as workdir:
+            _print_table(args, calls, workdir, triton is not None)
     return 0
 
 
