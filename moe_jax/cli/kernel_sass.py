@@ -347,10 +347,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     calls = _kernel_calls()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-        _print_table(args, calls, args.keep, triton is not None)
-    else:  # the IR and cubins go to a folder removed on return
-        with tempfile.TemporaryDirectory(prefix="kernel_sass_") as workdir:
-            _print_table(args, calls, workdir, triton is not None)
+    # without --keep, the IR and cubins go to a folder removed on return
+    keep_or_temporary = (
+        contextlib.nullcontext(args.keep)
+        if args.keep
+        else tempfile.TemporaryDirectory(prefix="kernel_sass_")
+    )
+    with keep_or_temporary as workdir:
+        _print_table(args, calls, workdir, triton is not None)
     return 0
 
 
