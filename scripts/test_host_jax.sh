@@ -2,8 +2,9 @@
 # The CPU test suite under the GPU host's Python and JAX (3.12, jax 0.11.2; MOE_JAX_HOST_JAX picks
 # another JAX release), in .venv-host-jax without torch (its tests skip; pip would fetch a CUDA
 # build of several GB): catches what only newer JAX breaks on a machine without a GPU, before
-# a GPU session finds it. Arguments go to pytest. Python 3.12 is $PYTHON312, else python3.12 on
-# PATH, else pyenv's; with none, it fails, or with MOE_JAX_SKIP_WITHOUT_PY312=1 says so and stops.
+# a GPU session finds it. Arguments go to pytest (its workers as scripts/test.sh's). Python 3.12
+# is $PYTHON312, else python3.12 on PATH, else pyenv's; with none, it fails, or with
+# MOE_JAX_SKIP_WITHOUT_PY312=1 says so and stops.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -38,4 +39,5 @@ printf 'jax==%s\njaxlib==%s\n' "$jax_version" "$jax_version" > "$constraints"
 PYTHON="$python312" MOE_JAX_VENV=.venv-host-jax MOE_JAX_EXTRAS="[test-no-torch]" \
   MOE_JAX_PIP_CONSTRAINTS="$constraints" source scripts/_venv.sh
 python -c "import jax, sys; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}')"
-python -m pytest "$@"
+source scripts/_pytest_workers.sh
+python -m pytest ${pytest_workers[@]+"${pytest_workers[@]}"} "$@"
