@@ -11,6 +11,10 @@ if python -c "import xdist" 2>/dev/null; then
     by_memory=$(( ${memory_gib:-6} / 6 ))
     workers=$(( cores < by_memory ? cores : by_memory ))
   fi
+  if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: MOE_JAX_TEST_WORKERS=$workers: give a whole number of workers, 1 or more" >&2
+    return 1
+  fi
   if [ "$workers" -gt 1 ]; then
     pytest_workers=(-n "$workers")
   fi

@@ -12,17 +12,23 @@ import pytest
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "_pytest_workers.sh"
 
 
-def _workers(**env: str) -> list[str]:
-    """The `pytest_workers` array the script sets, under this interpreter (`python` on PATH),
-    without the settings that would change its count (`nproc` honours OpenMP's)."""
+def _source(**env: str) -> subprocess.CompletedProcess:
+    """bash sourcing the script, then printing `pytest_workers` a word a line, under this
+    interpreter (`python` on PATH), without the settings that would change its count (`nproc`
+    honours OpenMP's)."""
     unset = ("MOE_JAX_TEST_WORKERS", "OMP_NUM_THREADS", "OMP_THREAD_LIMIT")
     environ = {k: v for k, v in os.environ.items() if k not in unset}
     environ["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{environ['PATH']}"
     environ.update(env)
-    script = f'source "{SCRIPT}"; printf "%s\\n" ${{pytest_workers[@]+"${{pytest_workers[@]}}"}}'
-    result = subprocess.run(
-        ["bash", "-c", script], env=environ, capture_output=True, text=True, check=True
-    )
+    printed = 'printf "%s\\n" ${pytest_workers[@]+"${pytest_workers[@]}"}'
+    script = f'source "{SCRIPT}" || exit; {printed}'
+    return subprocess.run(["bash", "-c", script], env=environ, capture_output=True, text=True)
+
+
+def _workers(**env: str) -> list[str]:
+    """The `pytest_workers` array the script sets."""
+    result = _source(**env)
+    assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
 
@@ -30,6 +36,14 @@ def test_named_count_and_one_process():
     pytest.importorskip("xdist")
     assert _workers(MOE_JAX_TEST_WORKERS="3") == ["-n", "3"]
     assert _workers(MOE_JAX_TEST_WORKERS="1") == []
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_refuses_a_count_that_is_not_a_positive_whole_number(value):
+    pytest.importorskip("xdist")
+    result = _source(MOE_JAX_TEST_WORKERS=value)
+    assert result.returncode != 0 and result.stdout == ""
+    assert f"MOE_JAX_TEST_WORKERS={value}: give a whole number of workers" in result.stderr
 
 
 def _expected_workers() -> int:

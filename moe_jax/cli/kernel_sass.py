@@ -347,12 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     calls = _kernel_calls()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    # without --keep, the IR and cubins go to a folder removed on return
-    keep_or_temporary = (
-        contextlib.nullcontext(args.keep)
-        if args.keep
-        else tempfile.TemporaryDirectory(prefix="kernel_sass_")
-    )
+        keep_or_temporary = contextlib.nullcontext(args.keep)
+    else:  # the IR and cubins go to a folder removed on return
+        keep_or_temporary = tempfile.TemporaryDirectory(prefix="kernel_sass_")
     with keep_or_temporary as workdir:
         _print_table(args, calls, workdir, triton is not None)
     return 0
