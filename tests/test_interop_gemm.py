@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from gemm_problems import RoutedProblem
 
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.grouped_gemm import GEMMS
@@ -21,29 +22,15 @@ from moe_jax.registry import current_platform
 TORCH_REASON = "the torch backend needs torch (pip install 'moe_jax[torch]')"
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    name: str
-    num_tokens: int
-    topk: int
-    num_experts: int
-    n: int
-    k: int
-    alignment: int
-
-    def __str__(self):
-        return self.name
-
-
 # Routing draws ids in [-1, E + 1): some slots go nowhere, and with few tokens experts go empty.
 CPU_PROBLEMS = [
-    Problem("small", 9, 2, 4, 24, 256, 4),
-    Problem("empty_experts", 3, 2, 8, 16, 128, 8),
-    Problem("no_tokens", 0, 2, 3, 16, 128, 4),
+    RoutedProblem("small", 9, 2, 4, 24, 256, 4),
+    RoutedProblem("empty_experts", 3, 2, 8, 16, 128, 8),
+    RoutedProblem("no_tokens", 0, 2, 3, 16, 128, 4),
 ]
 GPU_PROBLEMS = [
-    Problem("gpu_small", 200, 4, 8, 256, 512, 128),
-    Problem("gpu_wide", 96, 2, 4, 512, 1024, 128),
+    RoutedProblem("gpu_small", 200, 4, 8, 256, 512, 128),
+    RoutedProblem("gpu_wide", 96, 2, 4, 512, 1024, 128),
 ]
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 1e-5}
 
@@ -155,7 +142,7 @@ def test_torch_contiguous_matches_oracle(torch_gemm, problem, dtype):
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
 def test_torch_masked_matches_oracle(torch_gemm, dtype):
-    problem = Problem("masked", 11, 2, 5, 40, 256, 1)
+    problem = RoutedProblem("masked", 11, 2, 5, 40, 256, 1)
     max_m = 6  # fewer than T*k: some pairs are dropped, some experts are empty or full
     gemm_problem = _problem_for("masked", problem, dtype, max_m=max_m)
     _skip_if_refused(torch_gemm, gemm_problem)
@@ -383,7 +370,7 @@ def test_deep_gemm_masked_bitwise_equals_direct_call():
     import deep_gemm as dg
     import torch
 
-    problem = Problem("gpu_masked", 300, 4, 4, 256, 512, 1)
+    problem = RoutedProblem("gpu_masked", 300, 4, 4, 256, 512, 1)
     max_m = 256
     backend = GEMMS.get("deep_gemm")
     x, xs, w, ws, ids, xf, wf = _operands(problem, "float8_e4m3fn", seed=13)
@@ -414,7 +401,7 @@ def test_deep_gemm_masked_bitwise_equals_direct_call():
 
 @pytest.mark.gpu
 def test_deep_gemm_bf16_contiguous_matches_oracle():
-    problem = Problem("gpu_bf16", 160, 2, 4, 256, 256, 128)
+    problem = RoutedProblem("gpu_bf16", 160, 2, 4, 256, 256, 128)
     y, ref, lay = _run_contiguous(
         GEMMS.get("deep_gemm"), problem, "bfloat16", jnp.bfloat16, seed=17
     )

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from gemm_problems import DEEPSEEK_V3_FP8_GEMM1, RoutedProblem
 
 import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas", "pallas_interpret")
 import moe_jax.quant
@@ -44,32 +45,18 @@ TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(rtol=1e-2, at
 FP8_DOT_TOL = dict(rtol=2e-3, atol=2e-3)
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    name: str
-    num_tokens: int
-    topk: int
-    num_experts: int
-    n: int
-    k: int
-    alignment: int = 16
-    dtype: str = "fp8"  # or "bfloat16"
-    only_experts: tuple[int, ...] | None = None  # route only to these (the rest stay empty)
-
-    def __str__(self):
-        return self.name
-
-
 CI_PROBLEMS = [
-    Problem("fp8_padding_and_invalid_ids", 9, 2, 4, 256, 256),
-    Problem("fp8_single_expert", 5, 1, 1, 128, 384, alignment=32),
-    Problem("fp8_empty_experts_align64", 11, 3, 8, 128, 256, alignment=64, only_experts=(1, 6)),
-    Problem("bf16_empty_experts", 7, 3, 8, 48, 96, dtype="bfloat16", only_experts=(0, 5, 7)),
-    Problem("bf16_one_token", 1, 1, 3, 64, 32, dtype="bfloat16"),
+    RoutedProblem("fp8_padding_and_invalid_ids", 9, 2, 4, 256, 256),
+    RoutedProblem("fp8_single_expert", 5, 1, 1, 128, 384, alignment=32),
+    RoutedProblem(
+        "fp8_empty_experts_align64", 11, 3, 8, 128, 256, alignment=64, only_experts=(1, 6)
+    ),
+    RoutedProblem("bf16_empty_experts", 7, 3, 8, 48, 96, dtype="bfloat16", only_experts=(0, 5, 7)),
+    RoutedProblem("bf16_one_token", 1, 1, 3, 64, 32, dtype="bfloat16"),
 ]
 
 
-def _operands(problem: Problem, rng: np.random.Generator):
+def _operands(problem: RoutedProblem, rng: np.random.Generator):
     """(x, w, x_scales, w_scales, ids) in numpy: FP8 by vLLM's recipe or bf16."""
     shape = (problem.num_tokens, problem.topk)
     if problem.only_experts is not None:
@@ -157,7 +144,7 @@ CONFIGS = [
 @pytest.mark.parametrize("impl", IMPLS[1:])
 @pytest.mark.parametrize("config", CONFIGS, ids=repr)
 def test_grouped_gemm_configs(impl, config):
-    problem = Problem("fp8_configs", 13, 2, 5, 256, 256, alignment=32)
+    problem = RoutedProblem("fp8_configs", 13, 2, 5, 256, 256, alignment=32)
     rng = np.random.default_rng(3)
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
     lay = oracles.permute(x, ids, problem.num_experts, alignment=32, x_scales=x_scales)
@@ -230,17 +217,7 @@ def test_masked_layout_matches_float64_loop(impl):
 
 
 def _problem(**changes) -> GemmProblem:
-    base = dict(
-        layout="contiguous",
-        n=4096,
-        k=7168,
-        num_experts=256,
-        num_pairs=8,
-        x_dtype="float8_e4m3fn",
-        w_dtype="float8_e4m3fn",
-        platform="gpu",
-    )
-    return GemmProblem(**{**base, **changes})
+    return dataclasses.replace(DEEPSEEK_V3_FP8_GEMM1, **{"num_pairs": 8, **changes})
 
 
 @pytest.mark.parametrize(
@@ -378,7 +355,7 @@ def test_decode_bench_runs_on_the_tiny_shape(tmp_path, capsys):
 def test_uint16_packed_weights_path(impl, is_fp8_dot, monkeypatch):
     """The path for FP8 weights of 2**31..2**32 elements, forced on a small problem."""
     monkeypatch.setattr(gg, "_needs_packing", lambda w: True)
-    problem = Problem("fp8_packed", 10, 2, 3, 128, 256)
+    problem = RoutedProblem("fp8_packed", 10, 2, 3, 128, 256)
     rng = np.random.default_rng(8)
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
     lay = oracles.permute(x, ids, problem.num_experts, alignment=16, x_scales=x_scales)

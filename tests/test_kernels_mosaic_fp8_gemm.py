@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from gemm_problems import DEEPSEEK_V3_FP8_GEMM1, RoutedProblem
 
 import moe_jax.fp8_training
 import moe_jax.quant
@@ -64,30 +65,16 @@ CONFIGS = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    name: str
-    num_tokens: int
-    topk: int
-    num_experts: int
-    n: int
-    k: int
-    only_experts: tuple[int, ...] | None = None
-
-    def __str__(self):
-        return self.name
-
-
 PROBLEMS = [
     # ids -1 and E on both sides of the valid range; several experts with two row blocks
-    Problem("invalid_ids_two_blocks", 70, 2, 3, 256, 256),
-    Problem("empty_experts_one_token", 1, 2, 8, 256, 384, only_experts=(2, 5)),
+    RoutedProblem("invalid_ids_two_blocks", 70, 2, 3, 256, 256),
+    RoutedProblem("empty_experts_one_token", 1, 2, 8, 256, 384, only_experts=(2, 5)),
     # about 150 rows per expert: three row blocks each, a pair and an odd one
-    Problem("three_blocks_per_expert", 300, 2, 2, 256, 256),
+    RoutedProblem("three_blocks_per_expert", 300, 2, 2, 256, 256),
 ]
 
 
-def _operands(problem: Problem, rng: np.random.Generator):
+def _operands(problem: RoutedProblem, rng: np.random.Generator):
     shape = (problem.num_tokens, problem.topk)
     if problem.only_experts is not None:
         ids = rng.choice(np.array(problem.only_experts), size=shape)
@@ -150,7 +137,7 @@ def test_matches_float64_loop(interpret, config, problem):
 def test_rows_not_a_multiple_of_block_m(interpret):
     """M = 100 rows (a layout cut short after its last segment) is padded to whole row blocks."""
     rng = np.random.default_rng(5)
-    problem = Problem("cut_short", 20, 2, 2, 256, 256)
+    problem = RoutedProblem("cut_short", 20, 2, 2, 256, 256)
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
     ids = np.abs(ids) % 2
     lay = oracles.permute(x, ids, 2, alignment=64, x_scales=x_scales)
@@ -200,7 +187,7 @@ def test_heuristic_config_matches_float64_loop(interpret):
     """config=None on a layout of about five row blocks per expert and four K blocks takes the
     heuristic's groups of 4, overlapped steps and chained pipelines (two steps per tile, two
     slots)."""
-    problem = Problem("four_k_blocks_in_pairs", 300, 2, 2, 256, 512)
+    problem = RoutedProblem("four_k_blocks_in_pairs", 300, 2, 2, 256, 512)
     rng = np.random.default_rng(oracles.seed(problem.name))
     x, w, x_scales, w_scales, ids = _operands(problem, rng)
     lay = oracles.permute(x, ids, problem.num_experts, alignment=64, x_scales=x_scales)
@@ -351,17 +338,7 @@ def test_interpret_mode_is_deterministic():
 
 
 def _gemm_problem(**changes) -> GemmProblem:
-    base = dict(
-        layout="contiguous",
-        n=4096,
-        k=7168,
-        num_experts=256,
-        num_pairs=16384,
-        x_dtype="float8_e4m3fn",
-        w_dtype="float8_e4m3fn",
-        platform="gpu",
-    )
-    return GemmProblem(**{**base, **changes})
+    return dataclasses.replace(DEEPSEEK_V3_FP8_GEMM1, **changes)
 
 
 @pytest.mark.parametrize(
@@ -826,7 +803,7 @@ def test_skipping_with_an_odd_count_of_blocks(config):
     """Expert 0 with 100 rows (a full pair), expert 1 with 30 (a single block, its pair's second
     all padding): three valid blocks, the single one last and alone in its group (interpret
     mode, 128-row segments)."""
-    problem = Problem("odd_count_of_blocks", 100, 2, 2, 256, 256)
+    problem = RoutedProblem("odd_count_of_blocks", 100, 2, 2, 256, 256)
     rng = np.random.default_rng(oracles.seed("skipping_odd_count"))
     x, w, x_scales, w_scales, _ = _operands(problem, rng)
     ids = np.stack([np.zeros(100), np.where(np.arange(100) < 30, 1, -1)], axis=1).astype(np.int32)
