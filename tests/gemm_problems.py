@@ -9,8 +9,8 @@ from moe_jax.grouped_gemm import GemmProblem
 
 @dataclasses.dataclass(frozen=True)
 class RoutedProblem:
-    """A grouped GEMM to build seeded operands for: T tokens routed to k of E experts, each
-    expert's weight [n, k_dim].
+    """A grouped GEMM to build seeded operands for: T tokens routed to `topk` of E experts,
+    tokens [T, k], each expert's weight [n, k].
 
     Attributes:
       name: the pytest id.
