@@ -293,11 +293,15 @@ def fused_act_quant_preference(
     """The fused GEMM1 backends `fused_act_quant="auto"` tries for GEMM1's `problem`, in order;
     () runs GEMM1 and the act + quantization kernel apart.
 
-    The Mosaic GPU kernel ("mosaic_fp8") on a GPU, for FP8 GEMM1s on the contiguous layout in
-    whole 128-row segments (DeepGEMM's, what "auto" picks at prefill sizes; the kernel then
-    orders its tiles itself) with K up to `FUSED_ACT_QUANT_MAX_K` and an activation its epilogue
-    compiles (silu): there it was faster than DeepGEMM's GEMM1 and the act + quantization kernel,
-    and slower at larger K (the evidence beside `FUSED_ACT_QUANT_MAX_K`).
+    The Mosaic GPU kernel on a GPU, for FP8 GEMM1s on the contiguous layout in whole 128-row
+    segments (DeepGEMM's, what "auto" picks at prefill sizes; the kernel then orders its tiles
+    itself) with K up to `FUSED_ACT_QUANT_MAX_K` and an activation its epilogue compiles (silu):
+    there it was faster than DeepGEMM's GEMM1 and the act + quantization kernel, and slower at
+    larger K (the evidence beside `FUSED_ACT_QUANT_MAX_K`). Its gathered form first
+    ("mosaic_fp8_gathered": the rows read from the tokens, so the layer routes instead of
+    permuting), which was the faster at shape B (BENCHMARKS.md, "Prefill"); the contiguous form
+    ("mosaic_fp8") where the gathered one refuses the problem (jax 0.10, whose Mosaic GPU has
+    no inline PTX).
     """
     from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
 
@@ -310,7 +314,7 @@ def fused_act_quant_preference(
         and problem.alignment % 128 == 0
         and activation in COMPILED_ACTIVATIONS
     )
-    return ("mosaic_fp8",) if is_fused else ()
+    return ("mosaic_fp8_gathered", "mosaic_fp8") if is_fused else ()
 
 
 def intermediate_dtype(x_dtype, call: ExpertsCall):

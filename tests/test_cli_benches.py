@@ -410,7 +410,7 @@ def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
         platform="gpu",
         alignment=gather_bench.ALIGNMENT,
     )
-    assert fused_act_quant_preference(problem, "silu") == ("mosaic_fp8",)
+    assert fused_act_quant_preference(problem, "silu") == ("mosaic_fp8_gathered", "mosaic_fp8")
 
 
 def test_gather_bench_compares_valid_rows_only():

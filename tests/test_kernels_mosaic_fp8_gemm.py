@@ -26,8 +26,8 @@ from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.experts import FUSED_ACT_QUANT_MAX_K, fused_act_quant_preference
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
+from moe_jax.kernels import mosaic_fp8_gather, mosaic_fp8_tiles
 from moe_jax.kernels import mosaic_fp8_gemm as mg
-from moe_jax.kernels import mosaic_fp8_tiles
 from moe_jax.registry import NoImplementationError
 
 # Interpret mode runs on the CPU device on GPU hosts (conftest); the compiled cases (marked gpu)
@@ -691,8 +691,8 @@ SHAPE_B_GEMM1 = dict(n=2 * 768, k=2048, num_experts=128, num_pairs=8192 * 8, ali
 @pytest.mark.parametrize(
     "changes, activation, fused",
     [
-        ({}, "silu", ("mosaic_fp8",)),  # shape B: fused
-        (dict(k=1024), "silu", ("mosaic_fp8",)),
+        ({}, "silu", ("mosaic_fp8_gathered", "mosaic_fp8")),  # shape B: fused
+        (dict(k=1024), "silu", ("mosaic_fp8_gathered", "mosaic_fp8")),
         (dict(k=FUSED_ACT_QUANT_MAX_K + 128), "silu", ()),  # larger H: DeepGEMM's GEMM1 wins
         (dict(k=7168, n=4096, num_experts=32), "silu", ()),  # shape A
         (dict(alignment=64), "silu", ()),  # the Mosaic GEMM's decode-size segments: not timed
@@ -708,6 +708,20 @@ def test_auto_fuses_the_first_gemm_where_it_was_measured_faster(changes, activat
     assert fused_act_quant_preference(problem, activation) == fused
 
 
+def test_auto_takes_the_gathered_first_gemm_where_jax_compiles_it():
+    """At shape B "auto"'s first choice is the gathered GEMM1; on a jax whose Mosaic GPU has no
+    inline PTX (0.10) it refuses the problem, naming why, and the contiguous kernel runs."""
+    problem = _gemm_problem(**SHAPE_B_GEMM1)
+    preference = fused_act_quant_preference(problem, "silu")
+    chosen = grouped_gemm.GEMMS.first_accepting(preference, problem)
+    gathered = grouped_gemm.GEMMS.get("mosaic_fp8_gathered")
+    if mosaic_fp8_gather.has_inline_ptx():
+        assert chosen.name == "mosaic_fp8_gathered" and chosen.gathers_rows
+    else:
+        assert chosen.name == "mosaic_fp8" and not chosen.gathers_rows
+        assert "inline PTX" in gathered.unsupported_reason(problem)
+
+
 def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
     """`ContiguousExperts()` ("auto" GEMMs, `fused_act_quant="auto"`) fuses GEMM1 where the
     preference names a backend that accepts the problem, and runs the same layer as the unfused
@@ -718,7 +732,7 @@ def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
 
     def interpret_where_gpu_would(problem, activation):
         on_gpu = dataclasses.replace(problem, platform="gpu")
-        return ("mosaic_fp8_interpret",) if fused_act_quant_preference(on_gpu, activation) else ()
+        return tuple(f"{name}_interpret" for name in fused_act_quant_preference(on_gpu, activation))
 
     monkeypatch.setattr(moe_jax.experts, "fused_act_quant_preference", interpret_where_gpu_would)
     args, scales = _fp8_layer(oracles.seed("auto_fused_first_gemm"))
@@ -729,7 +743,8 @@ def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
     auto = ContiguousExperts(alignment=128)
     assert auto.fused_act_quant == "auto"
     gemms = auto.select_gemms(weights, **sizes)
-    assert gemms.fuses_act_quant and gemms.gemm1.name == "mosaic_fp8_interpret"
+    assert gemms.fuses_act_quant and gemms.gemm1.name == "mosaic_fp8_gathered_interpret"
+    assert gemms.gathers_rows
     assert gemms.gemm2.name == "xla"
     assert not auto.select_gemms(weights, **sizes, activation="gelu").fuses_act_quant
     assert not ContiguousExperts().select_gemms(weights, **sizes).fuses_act_quant  # xla's 16 rows
