@@ -57,6 +57,15 @@ FUSED_ACT_QUANT_GEMMS = (
 # 871-883 (2026-12-04): the margin there is smaller, so the bound stays at the largest H with a
 # win on both GPUs.
 FUSED_ACT_QUANT_MAX_K = 2048
+# ... and takes its gathered form ("mosaic_fp8_gathered") up to this N (2I, GEMM1's gate and up
+# columns). The gathered GEMM1 saves the permute's copy (proportional to M * H) and pays for its
+# row gathers on every column tile (proportional to M * H * N), so its margin shrinks as N
+# grows. Evidence (BENCHMARKS.md, "Prefill", 2026-12-06 20:04-23:04 UTC, one H100; `gather_bench`,
+# the front half alone, medians of 4 alternating rounds, gathered / permuted + contiguous):
+# N=1536 (I=768) 0.965 at shape B (T=8192 E=128 H=2048), 0.955 at H=1024, 0.898 at T=2048;
+# N=4096 (T=4096 E=32 I=2048 H=2048) 1.114, slower in every round. Not measured between the two,
+# nor on an H200.
+GATHERED_MAX_N = 1536
 
 
 @pytree_dataclass
@@ -297,11 +306,11 @@ def fused_act_quant_preference(
     segments (DeepGEMM's, what "auto" picks at prefill sizes; the kernel then orders its tiles
     itself) with K up to `FUSED_ACT_QUANT_MAX_K` and an activation its epilogue compiles (silu):
     there it was faster than DeepGEMM's GEMM1 and the act + quantization kernel, and slower at
-    larger K (the evidence beside `FUSED_ACT_QUANT_MAX_K`). Its gathered form first
-    ("mosaic_fp8_gathered": the rows read from the tokens, so the layer routes instead of
-    permuting), which was the faster at shape B (BENCHMARKS.md, "Prefill"); the contiguous form
-    ("mosaic_fp8") where the gathered one refuses the problem (jax 0.10, whose Mosaic GPU has
-    no inline PTX).
+    larger K (the evidence beside `FUSED_ACT_QUANT_MAX_K`). Up to N = `GATHERED_MAX_N` its
+    gathered form first ("mosaic_fp8_gathered": the rows read from the tokens, so the layer
+    routes instead of permuting), then the contiguous form ("mosaic_fp8") for where the gathered
+    one refuses the problem (jax 0.10, whose Mosaic GPU has no inline PTX); above it the
+    contiguous form only (the evidence beside `GATHERED_MAX_N`).
     """
     from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
 
@@ -314,7 +323,9 @@ def fused_act_quant_preference(
         and problem.alignment % 128 == 0
         and activation in COMPILED_ACTIVATIONS
     )
-    return ("mosaic_fp8_gathered", "mosaic_fp8") if is_fused else ()
+    if not is_fused:
+        return ()
+    return ("mosaic_fp8_gathered", "mosaic_fp8") if problem.n <= GATHERED_MAX_N else ("mosaic_fp8",)
 
 
 def intermediate_dtype(x_dtype, call: ExpertsCall):

@@ -388,8 +388,9 @@ def test_gather_bench_checks_the_forms_equal_then_times_alternating_rounds(tmp_p
 @pytest.mark.parametrize("name", sorted(gather_bench.VARIED_B))
 def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
     """Each varied shape differs from B where named, and "auto" on a GPU would fuse its GEMM1
-    (the comparison's point: where taking the gathered form would change "auto")."""
-    from moe_jax.experts import fused_act_quant_preference
+    (the comparison's point: where the gathered form or the contiguous one is "auto"'s), in
+    its gathered form up to `GATHERED_MAX_N` columns."""
+    from moe_jax.experts import GATHERED_MAX_N, fused_act_quant_preference
     from moe_jax.grouped_gemm import GemmProblem
 
     shape, base = gather_bench.SHAPES[name], gather_bench.SHAPES["B"]
@@ -410,7 +411,9 @@ def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
         platform="gpu",
         alignment=gather_bench.ALIGNMENT,
     )
-    assert fused_act_quant_preference(problem, "silu") == ("mosaic_fp8_gathered", "mosaic_fp8")
+    preference = fused_act_quant_preference(problem, "silu")
+    assert preference[-1] == "mosaic_fp8"  # "auto" fuses GEMM1 here
+    assert (preference[0] == "mosaic_fp8_gathered") == (problem.n <= GATHERED_MAX_N)
 
 
 def test_gather_bench_compares_valid_rows_only():

@@ -23,7 +23,11 @@ import moe_jax.fp8_training
 import moe_jax.quant
 from moe_jax import grouped_gemm
 from moe_jax.contiguous_experts import ContiguousExperts
-from moe_jax.experts import FUSED_ACT_QUANT_MAX_K, fused_act_quant_preference
+from moe_jax.experts import (
+    FUSED_ACT_QUANT_MAX_K,
+    GATHERED_MAX_N,
+    fused_act_quant_preference,
+)
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.kernels import mosaic_fp8_gather, mosaic_fp8_tiles
@@ -693,6 +697,7 @@ SHAPE_B_GEMM1 = dict(n=2 * 768, k=2048, num_experts=128, num_pairs=8192 * 8, ali
     [
         ({}, "silu", ("mosaic_fp8_gathered", "mosaic_fp8")),  # shape B: fused
         (dict(k=1024), "silu", ("mosaic_fp8_gathered", "mosaic_fp8")),
+        (dict(n=GATHERED_MAX_N + 256), "silu", ("mosaic_fp8",)),  # wider: the contiguous form
         (dict(k=FUSED_ACT_QUANT_MAX_K + 128), "silu", ()),  # larger H: DeepGEMM's GEMM1 wins
         (dict(k=7168, n=4096, num_experts=32), "silu", ()),  # shape A
         (dict(alignment=64), "silu", ()),  # the Mosaic GEMM's decode-size segments: not timed
