@@ -21,8 +21,10 @@ compare.
     python -m moe_jax.cli.gather_bench --shapes B --rounds 8 [--json gather.json]
 
 Besides `bench`'s shapes, `--shapes` takes shape B varied one size at a time (`VARIED_B`):
-B_h1024 (H=1024), B_t2048 (T=2048), B_e32 (T=4096, E=32, I=2048), where "auto" fuses GEMM1 too
-and taking the gathered form would change it.
+B_h1024 (H=1024), B_t2048 (T=2048), B_i1024 / B_i1536 / B_i2048 (I=1024 / 1536 / 2048: GEMM1's
+N = 2I from 2048 to 4096 at B's tokens and experts), B_e32 (T=4096, E=32, I=2048), where "auto"
+fuses GEMM1 too: where the gathered form's bound on N (`moe_jax.experts.GATHERED_MAX_N`) comes
+from.
 
 Without a GPU both forms run their interpret-mode twins ("_interpret": the gathered one is its
 reference, XLA's gather and the contiguous kernel), on the "tiny" shape by default: a check of
@@ -56,6 +58,9 @@ ALIGNMENT = 128  # the gathered kernel's segments: whole pairs of 64-row blocks
 VARIED_B = {
     "B_h1024": dict(hidden=1024),
     "B_t2048": dict(num_tokens=2048),
+    "B_i1024": dict(intermediate=1024),
+    "B_i1536": dict(intermediate=1536),
+    "B_i2048": dict(intermediate=2048),
     "B_e32": dict(num_tokens=4096, num_experts=32, intermediate=2048),
 }
 SHAPES = {
