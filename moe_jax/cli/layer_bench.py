@@ -15,7 +15,8 @@ Variants (each runs where it can; the table says why one did not):
   torch_deep_gemm_fp8   torch glue (sort, index, quantize in torch ops) + DeepGEMM FP8 (GPU)
   moe_jax_bf16          fused_moe(experts="auto") on bf16 weights
   moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights (on a Hopper GPU with
-                        H <= 2048 its GEMM1 is the fused one below, `ContiguousExperts`)
+                        H <= 2048 its GEMM1 is the fused one below, in its gathered form where
+                        GEMM1's N <= 1536 on jax 0.11 or later, `ContiguousExperts`)
   moe_jax_fp8_unfused   the same with GEMM1 and the act + quantization kernel apart
                         (`ContiguousExperts(fused_act_quant=None)`; runs only when named)
   moe_jax_fp8_graph     DeepGEMM for both GEMMs (never fused) with calls XLA may capture into a
