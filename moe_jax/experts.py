@@ -63,9 +63,10 @@ FUSED_ACT_QUANT_MAX_K = 2048
 # grows. Evidence (BENCHMARKS.md, "Prefill", 2026-12-06 20:04-23:04 UTC, one H100; `gather_bench`,
 # the front half alone, medians of 4 alternating rounds, gathered / permuted + contiguous):
 # N=1536 (I=768) 0.965 at shape B (T=8192 E=128 H=2048), 0.955 at H=1024, 0.898 at T=2048;
-# N=4096 (T=4096 E=32 I=2048 H=2048) 1.114, slower in every round. The whole FP8 layer at shape
-# B on an H100 (2026-12-07, `kernel_gaps`): 920 us of device time per forward against 940 with
-# the permute and the contiguous kernel. Not measured between N=1536 and 4096, nor on an H200.
+# N=4096 (T=4096 E=32 I=2048 H=2048) 1.114, slower in every round. At B's T, E and H with I
+# varied (2026-12-07, one H100, 3 rounds): N=2048 1.008 (a tie), 3072 1.050, 4096 1.077. The
+# whole FP8 layer at shape B on an H100 (2026-12-07, `kernel_gaps`): 915-920 us of device time
+# per forward against 940 with the permute and the contiguous kernel. Not measured on an H200.
 GATHERED_MAX_N = 1536
 
 
