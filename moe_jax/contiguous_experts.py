@@ -71,13 +71,13 @@ class ContiguousExperts(Experts):
         `moe_jax.experts.FUSED_ACT_QUANT_MAX_K` (2048). There, beside DeepGEMM's GEMM2, it takes
         12-16 us off shape B's device span per forward on the H200 (858-868 us against 871-883,
         2026-12-04) and 4-9% off the forward on an H100 at H=1024-2048 (2026-12-05); at shape A
-        (H=7168) it is 7-17% slower (BENCHMARKS.md, "Prefill"). There "auto" takes the fused
-        GEMM1's gathered form ("mosaic_fp8_gathered", jax 0.11 or later) where GEMM1's N (2I) is
-        at most `moe_jax.experts.GATHERED_MAX_N`: it reads GEMM1's rows from the tokens, the
-        layer then routes (`route`) instead of permuting, and the permuted rows are never copied
-        (2.4% less device time at shape B on an H100, 913.0 us per forward against 935.0,
-        2026-12-06; not measured on the H200, where the permute's copy costs less). Named, it
-        takes `alignment=128`.
+        (H=7168) it is 7-17% slower (BENCHMARKS.md, "Prefill"). Where "auto" fuses and GEMM1's
+        N (2I) is at most `moe_jax.experts.GATHERED_MAX_N`, it takes the fused GEMM1's gathered
+        form ("mosaic_fp8_gathered", jax 0.11 or later): it reads GEMM1's rows from the tokens,
+        the layer then routes (`route`) instead of permuting, and the permuted rows are never
+        copied (2.1-2.7% less device time at shape B on an H100, 915-920 us per forward against
+        940, 2026-12-07; not measured on the H200, where the permute's copy costs less). Named,
+        it takes `alignment=128`.
       recompute: what the backward recomputes instead of keeping (`RECOMPUTE_POLICIES`).
         Saved bytes per row of the layout for bf16 tokens (a token has k rows; the layout adds
         at most E * (alignment - 1) padding rows), besides the weights and int32 metadata:
