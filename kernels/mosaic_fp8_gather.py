@@ -87,7 +87,9 @@ COMPUTE_REGISTERS = min(256, (512 - GATHER_REGISTERS) // 2) // 8 * 8
 # x tiles in flight beyond the config's pipeline slots (which the weight tiles keep), where
 # shared memory has room (`extra_x_slots`): a gather is then issued a step before its weight
 # tile, as the slot it fills is released a step earlier. At shape B (16 KB a slot) the kernel
-# alone took 561-572 us with it against 591-593 without (H100, 2026-12-06, three rounds each)
+# alone took 561-572 us with it against 591-593 without (H100, 2026-12-06, three rounds each).
+# Deeper row pipelines, made room for by one K block a step, were 4-13% slower there (4-8 row
+# slots; H100, 2026-12-07, BENCHMARKS.md "Prefill")
 X_EXTRA_SLOTS = 1
 CHUNK = 16  # bytes per cp.async of a row: the widest it copies
 THREADS = 128  # one warpgroup
