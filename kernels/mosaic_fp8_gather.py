@@ -9,7 +9,9 @@ allocated.
 
 Hopper's TMA copies boxes, not lists of rows, so the memory warpgroup gathers with per-thread
 asynchronous copies (PTX `cp.async`, 16 bytes each) into the swizzled shared-memory tile the
-wgmma reads, and the row scales with 4-byte ones. Pallas has no such copy: the `inline_mgpu`
+wgmma reads, and the row scales with 4-byte ones. (A TMA box of one row per K block lands
+right too, the hardware swizzling by address, but took the kernel 11-45% longer for any share
+of the rows: H100, 2026-12-07, BENCHMARKS.md "Prefill".) Pallas has no such copy: the `inline_mgpu`
 blocks below emit it. Everything else is `kernels.mosaic_fp8_kernel`'s kernel at `is_dense`
 (128-row segments): the same tiles in the same order, the same wgmmas, scales and epilogue
 (`kernels.mosaic_fp8_epilogue.store_act_quant`), so the codes equal the contiguous kernel's on
