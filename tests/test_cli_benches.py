@@ -339,9 +339,15 @@ def test_bench_table_gives_the_first_call_where_it_was_timed():
 
 @pytest.mark.slow
 @pytest.mark.mosaic_interpret  # the interpret-mode kernel: on a GPU host, on its CPU device
-def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch):
-    """With GEMM1 fused to act*up + quantize (here the interpret-mode kernel, on the CPU device)
-    the breakdown times it as one stage and feeds its FP8 output to GEMM2."""
+@pytest.mark.parametrize(
+    ("fused", "arrange"),
+    [("mosaic_fp8_interpret", "permute"), ("mosaic_fp8_gathered_interpret", "route")],
+)
+def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch, fused, arrange):
+    """With GEMM1 fused to act*up + quantize (here the interpret-mode kernels, on the CPU device)
+    the breakdown times it as one stage and feeds its FP8 output to GEMM2; where that GEMM1
+    gathers its rows from the tokens, the layer routes instead of permuting, and so does the
+    breakdown (the route's layout holds no rows: the fused stage reads the tokens)."""
     from moe_jax.cli import layer_bench, stage_breakdown, timing
     from moe_jax.contiguous_experts import ContiguousExperts
 
@@ -355,12 +361,12 @@ def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch):
 
     monkeypatch.setattr(stage_breakdown, "time_jax", one_call_samples)
     layer = layer_bench.make_layer(layer_bench.SHAPES["small"])
-    experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant="mosaic_fp8_interpret")
+    experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant=fused)
     rows = stage_breakdown.stage_breakdown(layer, iters=2, experts=experts)
     assert [r["stage"] for r in rows] == [
         "quantize x",
-        "permute",
-        "GEMM1 + act*up + quantize (mosaic_fp8_interpret)",
+        arrange,
+        f"GEMM1 + act*up + quantize ({fused})",
         "GEMM2 (xla)",
         "unpermute + reduce",
     ]

@@ -1,10 +1,13 @@
 """`python -m moe_jax bench --breakdown`: the time of each stage of moe_jax's FP8 forward.
 
-The stages are the public methods `fused_moe(experts="auto")` itself runs:
-`NoEPPrepareFinalize.prepare` (FP8 quantization of x through `moe_jax.act_quant.group_quant`),
-then `ContiguousExperts.permute`, `first_gemm`, `activate`, `second_gemm` and `unpermute`, each
-jitted alone and fed the previous stage's real output. Their sum is above the one-jit forward
-by the launch and fusion boundaries between the jits.
+The stages are the public methods `fused_moe(experts="auto")` itself runs, in the order
+`ContiguousExperts.apply` runs them: `NoEPPrepareFinalize.prepare` (FP8 quantization of x
+through `moe_jax.act_quant.group_quant`), then `ContiguousExperts.permute` (or `route`, the
+routing metadata alone, where GEMM1 reads its rows from the tokens: `GemmPair.gathers_rows`),
+`first_gemm` and `activate` (or `first_gemm_act_quant`, one stage where GEMM1 is fused with
+them), `second_gemm` and `unpermute`, each jitted alone and fed the previous stage's real
+output. Their sum is above the one-jit forward by the launch and fusion boundaries between the
+jits.
 """
 
 from __future__ import annotations
@@ -56,18 +59,25 @@ def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[
         layer.topk_weights,
         layer.topk_ids,
     )
+    # as `ContiguousExperts.apply` arranges the tokens: no row copy where GEMM1 gathers them
+    arrange, arrange_name = (
+        (chosen.route, "route") if gemms.gathers_rows else (chosen.permute, "permute")
+    )
     lay = timed(
-        "permute",
-        lambda p, w: chosen.permute(p, w, expert_map=None, gemms=gemms),
+        arrange_name,
+        lambda p, w: arrange(p, w, expert_map=None, gemms=gemms),
         prepared,
         weights,
     )
     if gemms.fuses_act_quant:
         a, a_scales = timed(
             f"GEMM1 + act*up + quantize ({gemms.gemm1.name})",
-            lambda lay, w: chosen.first_gemm_act_quant(lay, w, gemms=gemms, call=call),
+            lambda lay, w, p: chosen.first_gemm_act_quant(
+                lay, w, gemms=gemms, call=call, prepared=p
+            ),
             lay,
             weights,
+            prepared,
         )
     else:
         h = timed(
