@@ -45,6 +45,10 @@
 #       (what a waited call costs over a streamed one for programs that are not moe_jax's;
 #       matmul side MOE_JAX_ENV_WAITED_SIZE, 8192). For XLA_FLAGS, XLA_PYTHON_CLIENT_*,
 #       TF_CUDA_*: the runtime's settings, none of which moe_jax sets itself
+# MOE_JAX_REQUIRE_GPU=NAME (any mode): run only on a GPU whose name holds NAME (e.g. H200, the
+#   card issue 14's targets are set on); on any other, or with no GPU, say which GPU it is and
+#   exit 3 before anything runs. The device tool lends H100s to most calls that ask for an H200
+#   (BENCHMARKS.md, 2026-12-07): a call that finds one then costs only the machine's start.
 # Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -55,6 +59,17 @@ export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 mode="${1:-}"
 shift || true
+if [ -n "${MOE_JAX_REQUIRE_GPU:-}" ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  case "$gpu" in
+    *"$MOE_JAX_REQUIRE_GPU"*) ;;
+    *)
+      echo "MOE_JAX_REQUIRE_GPU=$MOE_JAX_REQUIRE_GPU but this GPU is '${gpu:-none found}':" \
+        "nothing run" | tee "$out/require_gpu.log"
+      exit 3
+      ;;
+  esac
+fi
 # `bench`'s arguments where the baseline and env modes are given none
 default_bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
 # find_ncu: sets ncu_bin to Nsight Compute's command line, or says it is missing

@@ -1,0 +1,46 @@
+"""`scripts/gpu_check.sh`'s guard for the GPU a run is meant for (`MOE_JAX_REQUIRE_GPU`), on the
+CPU: a stand-in `nvidia-smi` on PATH names the GPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import script_modules
+
+
+def _fake_nvidia_smi(folder, name: str | None) -> str:
+    """A PATH whose first folder holds an `nvidia-smi` printing `name` (none: no nvidia-smi
+    answers, as on a machine without a GPU, where the command fails)."""
+    script = folder / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + (f"echo '{name}'\n" if name else "exit 9\n"))
+    script.chmod(0o755)
+    return os.pathsep.join([str(folder), os.path.dirname(sys.executable), os.environ["PATH"]])
+
+
+@pytest.mark.parametrize(
+    "gpu, shown", [("NVIDIA H100 80GB HBM3", "'NVIDIA H100 80GB HBM3'"), (None, "'none found'")]
+)
+def test_another_gpu_runs_nothing_and_says_which_it_is(tmp_path, gpu, shown):
+    out = tmp_path / "out"
+    env = {"OUT": str(out), "MOE_JAX_REQUIRE_GPU": "H200"}
+    env["PATH"] = _fake_nvidia_smi(tmp_path, gpu)
+    done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "baseline"], env, 60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"MOE_JAX_REQUIRE_GPU=H200 but this GPU is {shown}: nothing run" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["require_gpu.log"]  # no mode ran
+
+
+def test_the_required_gpu_runs_the_mode(tmp_path):
+    """On the named GPU the mode runs: here `baseline` without a baseline tree, which says how
+    to make one (exit 2)."""
+    env = {
+        "OUT": str(tmp_path / "out"),
+        "MOE_JAX_REQUIRE_GPU": "H200",
+        "MOE_JAX_BASELINE_DIR": str(tmp_path / "none"),
+        "PATH": _fake_nvidia_smi(tmp_path, "NVIDIA H200"),
+    }
+    done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "baseline"], env, 60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "bash scripts/baseline_tree.sh COMMIT" in done.stderr
