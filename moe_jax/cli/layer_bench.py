@@ -413,7 +413,8 @@ def run_layer_bench(
       shapes: names from `SHAPES`; None: A and B on a GPU, "small" elsewhere.
       variants: names from `VARIANTS`; None: all but `OPT_IN_VARIANTS`.
       iters: latency samples per variant (streamed samples: max(3, iters // 2)).
-      breakdown: also time each stage of the FP8 forward (`moe_jax.cli.stage_breakdown`).
+      breakdown: also time each stage of the FP8 forward (`moe_jax.cli.stage_breakdown`),
+        printed with the gap to the one-jit forward where moe_jax_fp8 is among the variants.
       json_path: write {"environment", "rows", "breakdown"} there.
       plot_path: write a PNG bar chart there.
     """
@@ -434,8 +435,11 @@ def run_layer_bench(
             breakdowns[name] = stage_breakdown(make_layer(SHAPES[name]), iters=iters)
     env = layer_report.environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
+    forward_ms = {
+        r["shape"]: r["ms"] for r in rows if r["variant"] == "moe_jax_fp8" and "ms" in r
+    }  # the one-jit forward the stages break down, where it was timed
     for name, stages in breakdowns.items():
-        print(layer_report.format_breakdown(SHAPES[name], stages))
+        print(layer_report.format_breakdown(SHAPES[name], stages, forward_ms.get(name)))
     print(layer_report.format_table(rows))
     if json_path:
         with open(json_path, "w") as f:

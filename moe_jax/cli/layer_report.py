@@ -42,8 +42,21 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_breakdown(shape: object, rows: list[dict]) -> str:
-    """The stage rows of `stage_breakdown.stage_breakdown`, with shares of their sum."""
+def format_breakdown(shape: object, rows: list[dict], forward_ms: float | None = None) -> str:
+    """The stage rows of `stage_breakdown.stage_breakdown`, with shares of their sum; with
+    `forward_ms` (the one-jit forward's ms, `bench`'s moe_jax_fp8 row) also the gap: the forward
+    minus the stages' sum, what the stage boundaries add or take away (negative where one jit
+    overlaps or fuses what the stages run apart, positive where time goes between its kernels).
+
+    Example:
+      >>> print(format_breakdown("S", [dict(stage="a", ms=1.0), dict(stage="b", ms=3.0)], 3.5))
+      stages of moe_jax_fp8, shape S (each jitted alone)
+        a                           1.000 ms   25.0%
+        b                           3.000 ms   75.0%
+        sum                         4.000 ms
+        forward (one jit)           3.500 ms
+        forward - sum              -0.500 ms
+    """
     total = sum(r["ms"] for r in rows)
     lines = [f"stages of moe_jax_fp8, shape {shape} (each jitted alone)"]
     if not rows:
@@ -52,6 +65,9 @@ def format_breakdown(shape: object, rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"  {r['stage']:<24} {r['ms']:>8.3f} ms  {100 * r['ms'] / total:5.1f}%")
     lines.append(f"  {'sum':<24} {total:>8.3f} ms")
+    if forward_ms is not None:
+        lines.append(f"  {'forward (one jit)':<24} {forward_ms:>8.3f} ms")
+        lines.append(f"  {'forward - sum':<24} {forward_ms - total:>+8.3f} ms")
     return "\n".join(lines)
 
 
