@@ -182,6 +182,14 @@ class ContiguousExperts(Experts):
             alignment=gemms.alignment,
         )
 
+    def arrange(
+        self, prepared: PreparedTokens, weights: ExpertWeights, *, expert_map, gemms: GemmPair
+    ) -> layouts.ContiguousLayout:
+        """The layout GEMM1 reads: `route`'s (no rows) where it gathers them from the tokens
+        (`gemms.gathers_rows`), else `permute`'s."""
+        arrange = self.route if gemms.gathers_rows else self.permute
+        return arrange(prepared, weights, expert_map=expert_map, gemms=gemms)
+
     def first_gemm(self, lay, weights: ExpertWeights, *, gemms: GemmPair, call: ExpertsCall):
         """[M, H] rows -> [M, 2I] in the intermediate dtype."""
         return self._gemm(
@@ -316,8 +324,7 @@ class ContiguousExperts(Experts):
         )
 
         def forward(prepared, weights, expert_map):
-            arrange = self.route if gemms.gathers_rows else self.permute
-            lay = arrange(prepared, weights, expert_map=expert_map, gemms=gemms)
+            lay = self.arrange(prepared, weights, expert_map=expert_map, gemms=gemms)
             lay = jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_LAYOUT), lay)
             if gemms.fuses_act_quant:
                 a, a_scales = self.first_gemm_act_quant(

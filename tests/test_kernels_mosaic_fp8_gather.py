@@ -32,6 +32,7 @@ from moe_jax.experts import ExpertsCall, ExpertWeights, select_gemms
 from moe_jax.fused_moe import fused_moe
 from moe_jax.kernels import mosaic_fp8_gather as gather
 from moe_jax.kernels import mosaic_fp8_gemm as mg
+from moe_jax.prepare_finalize import PreparedTokens
 from moe_jax.quant import FP8_DTYPE, Fp8BlockQuant
 
 pytestmark = pytest.mark.mosaic_interpret
@@ -331,6 +332,44 @@ def test_backend_refuses_other_segments_and_the_layer_routes():
             fused_act_quant=fused,
         )
         assert gemms.fuses_act_quant and gemms.gathers_rows == gathers
+
+
+@pytest.mark.parametrize(
+    ("fused", "has_rows"),
+    [("mosaic_fp8_gathered_interpret", False), ("mosaic_fp8_interpret", True)],
+)
+def test_arrange_routes_where_gemm1_gathers_and_permutes_elsewhere(fused, has_rows):
+    """`ContiguousExperts.arrange` (what the layer and `bench --breakdown` run): the rowless
+    route for a gathering GEMM1, with each row's token; else the permuted rows, which equal
+    the tokens at those rows. The two agree on where every pair goes."""
+    experts = ContiguousExperts(gemm="xla", alignment=ALIGNMENT, fused_act_quant=fused)
+    rng = np.random.default_rng(oracles.seed("arrange", fused))
+    ids = jnp.asarray(rng.integers(-1, 3, size=(6, 2)), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((6, 128)), jnp.float32).astype(FP8_DTYPE)
+    prepared = PreparedTokens(
+        x=x, x_scales=jnp.ones((6, 1)), topk_ids=ids, topk_weights=jnp.ones((6, 2))
+    )
+    weights = ExpertWeights(
+        w1=jnp.zeros((2, 256, 128), FP8_DTYPE),
+        w2=jnp.zeros((2, 128, 128), FP8_DTYPE),
+        w1_scale=jnp.ones((2, 2, 1)),
+        w2_scale=jnp.ones((2, 1, 1)),
+    )
+    gemms = experts.select_gemms(weights, num_tokens=6, topk=2, x_dtype=FP8_DTYPE)
+    lay = experts.arrange(prepared, weights, expert_map=None, gemms=gemms)
+    routed = permute.route(ids, num_experts=2, alignment=ALIGNMENT)
+    np.testing.assert_array_equal(np.asarray(lay.inverse), np.asarray(routed.inverse))
+    np.testing.assert_array_equal(np.asarray(lay.expert_ids), np.asarray(routed.expert_ids))
+    assert (lay.rows is not None) == has_rows
+    if has_rows:
+        sources = np.asarray(routed.sources)
+        valid = sources >= 0
+        np.testing.assert_array_equal(
+            np.asarray(lay.rows).view(np.uint8)[valid],
+            np.asarray(x).view(np.uint8)[sources[valid]],
+        )
+    else:
+        np.testing.assert_array_equal(np.asarray(lay.sources), np.asarray(routed.sources))
 
 
 def test_the_rowless_layout_needs_the_tokens():

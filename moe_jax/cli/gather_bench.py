@@ -104,9 +104,7 @@ def front_halves(
             raise RuntimeError(f"{form}: {gemms} is not the fused GEMM1 this form times")
 
         def front(experts=experts, gemms=gemms):
-            # as the layer arranges its tokens (`ContiguousExperts.apply`)
-            arrange = experts.route if gemms.gathers_rows else experts.permute
-            lay = arrange(prepared, weights, expert_map=None, gemms=gemms)
+            lay = experts.arrange(prepared, weights, expert_map=None, gemms=gemms)
             return experts.first_gemm_act_quant(
                 lay, weights, gemms=gemms, call=call, prepared=prepared
             )

@@ -2,12 +2,12 @@
 
 The stages are the public methods `fused_moe(experts="auto")` itself runs, in the order
 `ContiguousExperts.apply` runs them: `NoEPPrepareFinalize.prepare` (FP8 quantization of x
-through `moe_jax.act_quant.group_quant`), then `ContiguousExperts.permute` (or `route`, the
-routing metadata alone, where GEMM1 reads its rows from the tokens: `GemmPair.gathers_rows`),
-`first_gemm` and `activate` (or `first_gemm_act_quant`, one stage where GEMM1 is fused with
-them), `second_gemm` and `unpermute`, each jitted alone and fed the previous stage's real
-output. Their sum is above the one-jit forward by the launch and fusion boundaries between the
-jits.
+through `moe_jax.act_quant.group_quant`), then `ContiguousExperts.arrange` (the permute, or the
+route, the routing metadata alone, where GEMM1 reads its rows from the tokens:
+`GemmPair.gathers_rows`), `first_gemm` and `activate` (or `first_gemm_act_quant`, one stage
+where GEMM1 is fused with them), `second_gemm` and `unpermute`, each jitted alone and fed the
+previous stage's real output. Their sum is above the one-jit forward by the launch and fusion
+boundaries between the jits.
 """
 
 from __future__ import annotations
@@ -59,13 +59,9 @@ def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[
         layer.topk_weights,
         layer.topk_ids,
     )
-    # as `ContiguousExperts.apply` arranges the tokens: no row copy where GEMM1 gathers them
-    arrange, arrange_name = (
-        (chosen.route, "route") if gemms.gathers_rows else (chosen.permute, "permute")
-    )
     lay = timed(
-        arrange_name,
-        lambda p, w: arrange(p, w, expert_map=None, gemms=gemms),
+        "route" if gemms.gathers_rows else "permute",  # what `ContiguousExperts.arrange` runs
+        lambda p, w: chosen.arrange(p, w, expert_map=None, gemms=gemms),
         prepared,
         weights,
     )
