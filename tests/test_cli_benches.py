@@ -180,6 +180,24 @@ def test_kernel_gaps_reads_a_real_trace_and_says_when_it_has_no_gpu(tmp_path):
         assert events and where.startswith("/device:GPU")
 
 
+def test_device_busy_ms_is_the_kernels_time_per_call():
+    """Off a GPU there are no kernels to time (None); on one, a matmul large enough to bind the
+    device (2 x 8192^3 bf16 flops, about 1.5 ms on an H100) keeps it busy for most of what the
+    host clock sees of it back to back, and for no longer."""
+    from moe_jax.cli import kernel_gaps, timing
+
+    with pytest.raises(ValueError, match="calls=0"):
+        kernel_gaps.device_busy_ms(jax.jit(lambda x: x), (jax.numpy.ones(8),), calls=0)
+    if jax.default_backend() != "gpu":
+        assert kernel_gaps.device_busy_ms(jax.jit(lambda x: x * 2), (jax.numpy.ones(8),)) is None
+        return
+    x = jax.random.normal(jax.random.key(0), (8192, 8192), jax.numpy.bfloat16)
+    matmul = jax.jit(lambda x: x @ x)
+    device_ms = kernel_gaps.device_busy_ms(matmul, (x,), calls=5)
+    host_ms, _ = timing.time_jax(matmul, (x,), iters=6)
+    assert 0.7 * host_ms < device_ms < 1.05 * host_ms, (device_ms, host_ms)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
 def test_kernel_gaps_refuses_without_a_gpu(capsys):
     from moe_jax.cli import kernel_gaps

@@ -364,6 +364,29 @@ def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
     return latest_xplane(trace_dir), measured, clocks.summary
 
 
+def device_busy_ms(fn: Callable, args: tuple, *, calls: int = 10) -> float | None:
+    """Device time (ms) per call of `fn(*args)`: the time some kernel ran (`summarize`'s busy
+    time) over `calls` calls, each waited for, traced with `jax.profiler` after 3 untraced
+    calls, divided by `calls`. None where the trace holds no GPU kernels (the CPU backend).
+
+    What a stage costs the device, apart from the host's launch: a small program jitted alone
+    is bound by its dispatch (about 0.1 ms a call on the H100 host, 2026-12-07), not its
+    kernels, so its host-clock time says little of its share of a forward.
+    """
+    if calls < 1:
+        raise ValueError(f"{calls=}: at least 1 call is needed")
+    for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, profiler_options=profiler_options()):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        events, _ = device_kernels(latest_xplane(trace_dir))
+    if not events:
+        return None
+    return summarize(events).busy_ns / calls / 1e6
+
+
 def profiler_options() -> jax.profiler.ProfileOptions:
     """The trace's options: no Python tracer, which made each call's host dispatch a third
     longer (shape B on the H200, 2026-12-04: 340 -> about 450 us), and with it each lead-in."""

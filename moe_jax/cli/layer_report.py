@@ -43,31 +43,51 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_breakdown(shape: object, rows: list[dict], forward_ms: float | None = None) -> str:
-    """The stage rows of `stage_breakdown.stage_breakdown`, with shares of their sum; with
-    `forward_ms` (the one-jit forward's ms, `bench`'s moe_jax_fp8 row) also the gap: the forward
-    minus the stages' sum, what the stage boundaries add or take away (negative where one jit
-    overlaps or fuses what the stages run apart, positive where time goes between its kernels).
+    """The stage rows of `stage_breakdown.stage_breakdown`: each stage's host-clock ms and, where
+    measured (a GPU), its device ms, with shares of the device sum (of the host sum where a
+    stage has no device time). With `forward_ms` (the one-jit forward's ms, `bench`'s
+    moe_jax_fp8 row) also the gap: the forward minus each sum. Against the host sum it is what
+    the jit boundaries add or take away (negative where the stages alone wait on their launch);
+    against the device sum, the time the forward spends beyond its kernels' work.
 
     Example:
-      >>> print(format_breakdown("S", [dict(stage="a", ms=1.0), dict(stage="b", ms=3.0)], 3.5))
-      stages of moe_jax_fp8, shape S (each jitted alone)
-        a                           1.000 ms   25.0%
-        b                           3.000 ms   75.0%
-        sum                         4.000 ms
-        forward (one jit)           3.500 ms
-        forward - sum              -0.500 ms
+      >>> rows = [dict(stage="a", ms=1.0, device_ms=0.5), dict(stage="b", ms=3.0, device_ms=1.5)]
+      >>> print(format_breakdown("S", rows, 3.5))
+      stages of moe_jax_fp8, shape S (each jitted alone)    host ms  device ms   share
+        a                                                     1.000      0.500   25.0%
+        b                                                     3.000      1.500   75.0%
+        sum                                                   4.000      2.000
+        forward (one jit)                                     3.500
+        forward - sum                                        -0.500     +1.500
     """
-    total = sum(r["ms"] for r in rows)
+    width = 48
     lines = [f"stages of moe_jax_fp8, shape {shape} (each jitted alone)"]
     if not rows:
         lines.append("  (experts='auto' is not the contiguous layout here: no stages to time)")
         return "\n".join(lines)
-    for r in rows:
-        lines.append(f"  {r['stage']:<24} {r['ms']:>8.3f} ms  {100 * r['ms'] / total:5.1f}%")
-    lines.append(f"  {'sum':<24} {total:>8.3f} ms")
+    lines[0] = f"{lines[0]:<{width + 6}}host ms  device ms   share"
+    host_total = sum(r["ms"] for r in rows)
+    device = [r.get("device_ms") for r in rows]
+    device_total = None if None in device else sum(device)
+    share_total = host_total if device_total is None else device_total
+
+    def device_cell(ms: float | None, sign: str = "") -> str:
+        return f"{'-':>10}" if ms is None else f"{ms:>{sign}10.3f}"
+
+    for r, dev in zip(rows, device, strict=True):
+        share = r["ms"] if device_total is None else dev
+        lines.append(
+            f"  {r['stage']:<{width}} {r['ms']:>10.3f} {device_cell(dev)} "
+            f"{100 * share / share_total:6.1f}%"
+        )
+    lines.append(f"  {'sum':<{width}} {host_total:>10.3f} {device_cell(device_total)}")
     if forward_ms is not None:
-        lines.append(f"  {'forward (one jit)':<24} {forward_ms:>8.3f} ms")
-        lines.append(f"  {'forward - sum':<24} {forward_ms - total:>+8.3f} ms")
+        lines.append(f"  {'forward (one jit)':<{width}} {forward_ms:>10.3f}")
+        device_gap = None if device_total is None else forward_ms - device_total
+        lines.append(
+            f"  {'forward - sum':<{width}} {forward_ms - host_total:>+10.3f} "
+            f"{device_cell(device_gap, '+')}"
+        )
     return "\n".join(lines)
 
 

@@ -6,8 +6,14 @@ through `moe_jax.act_quant.group_quant`), then `ContiguousExperts.arrange` (the 
 route, the routing metadata alone, where GEMM1 reads its rows from the tokens:
 `GemmPair.gathers_rows`), `first_gemm` and `activate` (or `first_gemm_act_quant`, one stage
 where GEMM1 is fused with them), `second_gemm` and `unpermute`, each jitted alone and fed the
-previous stage's real output. Their sum is above the one-jit forward by the launch and fusion
-boundaries between the jits.
+previous stage's real output.
+
+Each stage gets two times: `ms`, the host clock per call streamed back to back (`time_jax`), and
+on a GPU `device_ms`, the time its kernels ran per call (`kernel_gaps.device_busy_ms`). A small
+stage alone is bound by the host's launch of its jit (about 0.1 ms a call on the H100 host,
+2026-12-07: quantize x took 0.108 ms by the host clock for some 0.02 ms of kernels), so the host
+times' sum can exceed the one-jit forward; the device times' sum is the forward's kernel work,
+and the forward's excess over it is what lies between its kernels (`kernel_gaps` shows where).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Callable
 import jax
 
 from moe_jax import quant
+from moe_jax.cli.kernel_gaps import device_busy_ms
 from moe_jax.cli.layer_bench import Layer
 from moe_jax.cli.timing import time_jax
 from moe_jax.contiguous_experts import ContiguousExperts
@@ -26,7 +33,8 @@ from moe_jax.prepare_finalize import NoEPPrepareFinalize
 
 
 def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[dict]:
-    """[{"stage": name, "ms": streamed median}] for each stage of the FP8 forward of `layer`.
+    """[{"stage": name, "ms": streamed median, "device_ms": device time per call or None}] for
+    each stage of the FP8 forward of `layer` (`device_ms` None off a GPU).
 
     Args:
       layer: the benchmark's inputs (`moe_jax.cli.layer_bench.make_layer`).
@@ -47,7 +55,13 @@ def stage_breakdown(layer: Layer, *, iters: int, experts: str = "auto") -> list[
     def timed(stage: str, fn: Callable, *args):
         jitted = jax.jit(fn)
         out = jitted(*args)
-        rows.append(dict(stage=stage, ms=time_jax(jitted, args, iters=iters)[0]))
+        rows.append(
+            dict(
+                stage=stage,
+                ms=time_jax(jitted, args, iters=iters)[0],
+                device_ms=device_busy_ms(jitted, args),
+            )
+        )
         return out
 
     prepared = timed(
