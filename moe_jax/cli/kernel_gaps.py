@@ -367,7 +367,9 @@ def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
 def device_busy_ms(fn: Callable, args: tuple, *, calls: int = 10) -> float | None:
     """Device time (ms) per call of `fn(*args)`: the time some kernel ran (`summarize`'s busy
     time) over `calls` calls, each waited for, traced with `jax.profiler` after 3 untraced
-    calls, divided by `calls`. None where the trace holds no GPU kernels (the CPU backend).
+    calls, divided by `calls`. None, with nothing run, where no array in `args` is on a GPU
+    (the CPU backend, or interpret-mode kernels on a GPU host's CPU device), and where the
+    trace holds no GPU kernels.
 
     What a stage costs the device, apart from the host's launch: a small program jitted alone
     is bound by its dispatch (about 0.1 ms a call on the H100 host, 2026-12-07), not its
@@ -375,6 +377,9 @@ def device_busy_ms(fn: Callable, args: tuple, *, calls: int = 10) -> float | Non
     """
     if calls < 1:
         raise ValueError(f"{calls=}: at least 1 call is needed")
+    arrays = [leaf for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array)]
+    if not any(device.platform == "gpu" for a in arrays for device in a.devices()):
+        return None
     for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as trace_dir:

@@ -53,7 +53,8 @@ def format_breakdown(shape: object, rows: list[dict], forward_ms: float | None =
     Example:
       >>> rows = [dict(stage="a", ms=1.0, device_ms=0.5), dict(stage="b", ms=3.0, device_ms=1.5)]
       >>> print(format_breakdown("S", rows, 3.5))
-      stages of moe_jax_fp8, shape S (each jitted alone)    host ms  device ms   share
+      stages of moe_jax_fp8, shape S (each jitted alone)
+        stage                                               host ms  device ms   share
         a                                                     1.000      0.500   25.0%
         b                                                     3.000      1.500   75.0%
         sum                                                   4.000      2.000
@@ -65,7 +66,7 @@ def format_breakdown(shape: object, rows: list[dict], forward_ms: float | None =
     if not rows:
         lines.append("  (experts='auto' is not the contiguous layout here: no stages to time)")
         return "\n".join(lines)
-    lines[0] = f"{lines[0]:<{width + 6}}host ms  device ms   share"
+    lines.append(f"  {'stage':<{width}}    host ms  device ms   share")
     host_total = sum(r["ms"] for r in rows)
     device = [r.get("device_ms") for r in rows]
     device_total = None if None in device else sum(device)
