@@ -346,6 +346,13 @@ def _decode_forward_fn(num_tokens: int, experts: str = "auto") -> tuple[Callable
     return decode_bench.layer_fn(experts), (x, weights, topk_weights, topk_ids)
 
 
+def _warm_up(fn: Callable, args: tuple, calls: int = 3) -> None:
+    """Runs `fn(*args)` `calls` times, each waited for, so compilation, XLA's autotuning and
+    DeepGEMM's JIT happen before a trace starts."""
+    for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+
+
 def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
     """Times `fn(*args)` as `bench` does (`timing.time_calls`: `samples` bursts of `burst`
     back-to-back calls after its warm-up calls) inside a `jax.profiler` trace, so the host's
@@ -354,8 +361,7 @@ def _trace(fn: Callable, args: tuple, samples: int, burst: int, trace_dir: str):
     None)."""
     from moe_jax.cli import timing
 
-    for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
-        jax.block_until_ready(fn(*args))
+    _warm_up(fn, args)
     with (
         gpu_clocks.ClockMonitor() as clocks,
         jax.profiler.trace(trace_dir, profiler_options=profiler_options()),
@@ -382,8 +388,7 @@ def device_busy_ms(fn: Callable, args: tuple, *, calls: int = 10) -> float | Non
     arrays = [leaf for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array)]
     if not any(device.platform == "gpu" for a in arrays for device in a.devices()):
         return None
-    for _ in range(3):  # compile, autotune, DeepGEMM's JIT: outside the trace
-        jax.block_until_ready(fn(*args))
+    _warm_up(fn, args)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, profiler_options=profiler_options()):
             for _ in range(calls):
