@@ -2,8 +2,9 @@
 
 The commands live in `moe_jax.cli`, imported only for the command that runs. `bench` times the
 layer's forward; `bench --decode` decode-size batches; `bench --train` a training step (forward +
-backward) against a torchtitan-style torch step. The per-piece benchmarks run as modules:
-`python -m moe_jax.cli.kernel_bench`, `python -m moe_jax.cli.interop_bench`.
+backward) against a torchtitan-style torch step; `--json` and `--plot` write the results. The
+profiling tools (each stage's time, kernel traces, kernel sweeps) are not part of the package:
+from a checkout, `python -m benchmarks.NAME` (benchmarks/__init__.py lists them).
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     bench.add_argument(
-        "--breakdown", action="store_true", help="also time each stage of the FP8 forward"
-    )
-    bench.add_argument(
         "--decode", action="store_true", help="time decode-size batches instead (--tokens)"
     )
     bench.add_argument(
@@ -74,6 +72,10 @@ def _output_problem(args: argparse.Namespace) -> str | None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             return f"--{flag} {path}: the folder {folder} does not exist; create it first"
+    if args.plot is not None:
+        from moe_jax.cli.layer_report import missing_plot_dependency
+
+        return missing_plot_dependency()
     return None
 
 
@@ -85,8 +87,8 @@ def _bench(args: argparse.Namespace) -> int:
     if (problem := _output_problem(args)) is not None:
         return _refuse(problem)
     if args.train:
-        if args.breakdown or args.tokens is not None:
-            return _refuse("--breakdown and --tokens do not apply to --train")
+        if args.tokens is not None:
+            return _refuse("--tokens applies to bench --decode only")
         from moe_jax.cli.train_bench import run_train_bench
 
         return run_train_bench(
@@ -97,8 +99,8 @@ def _bench(args: argparse.Namespace) -> int:
             plot_path=args.plot,
         )
     if args.decode:
-        if args.shapes or args.breakdown:
-            return _refuse("--shapes and --breakdown do not apply to --decode")
+        if args.shapes:
+            return _refuse("--shapes does not apply to --decode: it sets T with --tokens")
         from moe_jax.cli.decode_bench import run_decode_bench
 
         return run_decode_bench(
@@ -116,7 +118,6 @@ def _bench(args: argparse.Namespace) -> int:
         shapes=args.shapes,
         variants=args.variants,
         iters=args.iters,
-        breakdown=args.breakdown,
         json_path=args.json,
         plot_path=args.plot,
     )

@@ -6,33 +6,21 @@
 #       scripts/test_log.py then says which tests were still running and which took longest
 #   bash scripts/gpu_check.sh sanitize [memcheck|racecheck] [--shape b|tiny] [kernel ...]
 #       compute-sanitizer on the Pallas kernels (both tools by default, shape B by default;
-#       `python3 scripts/sanitize_kernels.py --list`)
+#       `python3 -m benchmarks.sanitize_kernels --list`)
 #   bash scripts/gpu_check.sh train      training-step bench and per-stage backward times, shapes B and A
 #   bash scripts/gpu_check.sh decode     the Mosaic FP8 GEMM's compiled tests, its config sweep at
 #       T=1024-6144 and the decode layer from T=512 to 8192 with "auto" beside the three FP8
 #       grouped GEMMs (the evidence behind the GEMM heuristics and "auto"'s crossovers)
-#   bash scripts/gpu_check.sh prefill    issue 14's figures: `bench` at shapes B and A (the FP8
-#       layer, "auto" and never fused, and its fused-GEMM1 variants, the gathered one too), then
-#       `kernel_gaps` for both experts at B and A and for the gathered GEMM1 at B, and
-#       `gather_bench` at B (both to the log),
-#       then `call_timeline` at B (one waited call's host and device
-#       timeline; 7 files to $OUT: the device tool brings back at most 8)
-#   bash scripts/gpu_check.sh epilogue   issue 14's fused GEMM1 against the plain Mosaic GEMM1: ncu
-#       on one FP8 forward at shape B with each: every kernel's time, shared-memory bank conflicts
-#       and instructions; then the GEMM1's warp-stall samples per SASS instruction, summarized by
-#       loop level and opcode (scripts/gpu_kernel_times.py --sass; 7 files to $OUT). The process
-#       ncu profiles dies now and then (segmentation fault, before the profiled range: 10 of 13
-#       runs on H100s on 2026-12-05, every run of the plain path, with and without XLA's
-#       autotuner and command buffers; cause not found; on 2026-12-06 both runs passed at their
-#       first try on an H100), so each ncu run is tried up to 3 times
-#   bash scripts/gpu_check.sh gather     issue 14's gathered fused GEMM1 against the contiguous
-#       one "auto" runs at B: ncu on each (the forward's first Mosaic kernel) with its memory
-#       sections (DRAM bytes, L2 / L1 hit rates, cp.async and TMA traffic, summarized to the
-#       log) and its warp-stall samples per SASS instruction (7 files to $OUT)
+#   bash scripts/gpu_check.sh prefill    the prefill layer and where its time goes: `bench` at
+#       shapes B and A (the FP8 layer, "auto" and never fused, and its fused-GEMM1 variants, the
+#       gathered one too), then benchmarks/: `kernel_gaps` for both experts at B and A and for the
+#       gathered GEMM1 at B, `gather_bench` at B (both to the log), then `call_timeline` at B (one
+#       waited call's host and device timeline; 7 files to $OUT: the device tool brings back at
+#       most 8)
 #   bash scripts/gpu_check.sh baseline [bench args]   today's code against an earlier commit's
 #       (`bash scripts/baseline_tree.sh COMMIT` here first, then carry .baseline): `bench` (by
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
-#       MOE_JAX_BASELINE_ROUNDS times (2), then scripts/bench_ratio.py's table of current /
+#       MOE_JAX_BASELINE_ROUNDS times (2), then benchmarks/bench_ratio.py's table of current /
 #       baseline: a ratio that carries to issues whose figures came from another card
 #   bash scripts/gpu_check.sh env NAME=VALUE [NAME=VALUE ...] [-- bench args]   the same
 #       alternation for a process environment setting: `bench` (same default arguments) as this
@@ -41,7 +29,7 @@
 #       lines (a JAX process at TF_CPP_MIN_LOG_LEVEL=0: XLA's TFRT client, where a plugin has it,
 #       logs "TfrtGpuClient created"; jax 0.11.2's CUDA 13 plugin does not contain it, and
 #       XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 changes nothing there, BENCHMARKS.md
-#       2026-12-06); then each side's scripts/waited_overhead.py table
+#       2026-12-06); then each side's benchmarks/waited_overhead.py table
 #       (what a waited call costs over a streamed one for programs that are not moe_jax's;
 #       matmul side MOE_JAX_ENV_WAITED_SIZE, 8192). For XLA_FLAGS, XLA_PYTHON_CLIENT_*,
 #       TF_CUDA_*: the runtime's settings, none of which moe_jax sets itself
@@ -49,11 +37,13 @@
 #   card issue 14's targets are set on); on any other, or with no GPU, say which GPU it is and
 #   exit 3 before anything runs. The device tool lends H100s to most calls that ask for an H200
 #   (BENCHMARKS.md, 2026-12-07): a call that finds one then costs only the machine's start.
-# Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check.
+# Logs go to $OUT (the device tool's result folder) or /tmp/gpu_check. Commands run at the
+# repository root (benchmarks/ runs as `python3 -m benchmarks.NAME` from there).
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 export PYTHONUNBUFFERED=1
 # Several JAX processes (xdist workers, torch beside JAX) share the GPU: allocate on demand.
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
@@ -72,38 +62,6 @@ if [ -n "${MOE_JAX_REQUIRE_GPU:-}" ]; then
 fi
 # `bench`'s arguments where the baseline and env modes are given none
 default_bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
-# find_ncu: sets ncu_bin to Nsight Compute's command line, or says it is missing
-find_ncu() {
-  ncu_bin=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
-  [ -x "$ncu_bin" ] || { echo "ncu not found (PATH, CUDA_HOME)" >&2; return 1; }
-}
-# ncu_tries OUTFILE NCU-ARGS...: ncu on one forward (--clock-control none: METHOD.md leaves the
-# clocks alone), stdout to OUTFILE, stderr to $ncu_log, up to 3 tries while the profiled
-# process crashes (see the epilogue mode)
-ncu_tries() {
-  local outfile=$1 try rc
-  shift
-  for try in 1 2 3; do
-    "$ncu_bin" --profile-from-start off --clock-control none "$@" > "$outfile" 2>> "$ncu_log"
-    rc=$?
-    echo "ncu try $try: exit status $rc" | tee -a "$ncu_log"
-    [ "$rc" -eq 0 ] && return 0
-  done
-  return "$rc"
-}
-# ncu_report_dir: a fresh folder for this run's ncu reports (too large for $OUT's 8 files),
-# removed when the script exits
-ncu_report_dir() {
-  report_dir=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_ncu.XXXXXX")
-  trap 'rm -rf "$report_dir"' EXIT
-}
-# stall_summary REPORT SASS_CSV: the warp-stall samples per SASS instruction of the ncu report
-# REPORT.ncu-rep (collected with --section SourceCounters) to SASS_CSV, summarized to $ncu_log
-stall_summary() {
-  "$ncu_bin" --import "$1.ncu-rep" --page source --csv --print-source sass > "$2" \
-    2>> "$ncu_log" || return 1
-  python3 scripts/gpu_kernel_times.py --sass "$2" 2>&1 | tee -a "$ncu_log"
-}
 case "$mode" in
   suite)
     workers=()
@@ -146,7 +104,7 @@ case "$mode" in
     status=0
     for tool in "${tools[@]}"; do
       "$sanitizer" --tool "$tool" --error-exitcode 9 --print-limit 20 \
-        python3 scripts/sanitize_kernels.py "$@" 2>&1 | tee "$out/$tool.log" | tail -25
+        python3 -m benchmarks.sanitize_kernels "$@" 2>&1 | tee "$out/$tool.log" | tail -25
       rc=${PIPESTATUS[0]}
       echo "$tool exit status: $rc" | tee -a "$out/$tool.log"
       [ "$rc" -eq 0 ] || status=$rc
@@ -156,11 +114,11 @@ case "$mode" in
   train)
     status=0
     for shape in B A; do
-      python3 -m moe_jax.cli.train_bench --shape "$shape" --iters 10 \
+      python3 -m moe_jax bench --train --shapes "$shape" --iters 10 \
         --variants auto deep_gemm torch fp8_recipe torch_titan --json "$out/train_$shape.json" \
         2>&1 | tee "$out/train_$shape.log" || status=1
       for experts in auto fp8_recipe; do
-        python3 -m moe_jax.cli.train_stages --shape "$shape" --experts "$experts" --iters 10 \
+        python3 -m benchmarks.train_stages --shape "$shape" --experts "$experts" --iters 10 \
           --json "$out/stages_${shape}_$experts.json" 2>&1 | tee -a "$out/train_$shape.log" \
           || status=1
       done
@@ -171,7 +129,7 @@ case "$mode" in
     status=0
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_mosaic_fp8_gemm.py 2>&1 \
       | tee "$out/decode_tests.log" | tail -3 || status=1
-    python3 -m moe_jax.cli.gemm_sweep --tokens 1024 2048 4096 6144 --candidates mosaic \
+    python3 -m benchmarks.gemm_sweep --tokens 1024 2048 4096 6144 --candidates mosaic \
       --samples 3 --json "$out/mosaic_sweep.json" 2>&1 | tee "$out/mosaic_sweep.log" || status=1
     python3 -m moe_jax bench --decode --iters 10 --tokens 512 768 2048 4096 6144 8192 \
       --variants auto pallas mosaic_fp8 deep_gemm --json "$out/decode.json" 2>&1 \
@@ -185,82 +143,19 @@ case "$mode" in
       --json "$out/prefill_bench.json" 2>&1 | tee "$out/prefill.log" || status=1
     for shape in B A; do
       for experts in deep_gemm deep_gemm+mosaic_fp8; do
-        python3 -m moe_jax.cli.kernel_gaps --shape "$shape" --experts "$experts" --samples 3 \
+        python3 -m benchmarks.kernel_gaps --shape "$shape" --experts "$experts" --samples 3 \
           --json "$out/gaps_${shape}_${experts/+/_}.json" 2>&1 | tee -a "$out/prefill.log" \
           || status=1
       done
     done
     # the gathered GEMM1 at B, to the log only (the device tool brings back at most 8 files):
     # in the layer, then its front half against the permuted one in alternating rounds
-    python3 -m moe_jax.cli.kernel_gaps --shape B --variant moe_jax_fp8_gathered --samples 3 \
+    python3 -m benchmarks.kernel_gaps --shape B --variant moe_jax_fp8_gathered --samples 3 \
       2>&1 | tee -a "$out/prefill.log" || status=1
-    python3 -m moe_jax.cli.gather_bench --shapes B --rounds 6 2>&1 | tee -a "$out/prefill.log" \
+    python3 -m benchmarks.gather_bench --shapes B --rounds 6 2>&1 | tee -a "$out/prefill.log" \
       || status=1
-    python3 -m moe_jax.cli.call_timeline --shape B --json "$out/timeline_B.json" 2>&1 \
+    python3 -m benchmarks.call_timeline --shape B --json "$out/timeline_B.json" 2>&1 \
       | tee -a "$out/prefill.log" || status=1
-    exit "$status"
-    ;;
-  epilogue)
-    find_ncu || exit 2
-    ncu_report_dir
-    ncu_log="$out/epilogue.log"
-    metrics=gpu__time_duration.sum,smsp__inst_executed.sum
-    for op in ld st; do
-      metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_$op.sum
-      metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_$op.sum
-    done
-    # the raw page also lists the device's attributes: keep the metrics asked for
-    columns='(gpu__time_duration|inst_executed|mem_shared_op_(ld|st))\.sum$'
-    status=0
-    # the fused GEMM1 (act*up + quantization in its epilogue) and the plain one + act_quant
-    for experts in deep_gemm+mosaic_fp8 mosaic_fp8; do
-      tag=${experts/+/_}
-      forward=(python3 scripts/gpu_kernel_times.py B --experts "$experts")
-      echo "== $experts: every kernel of the forward" | tee -a "$out/epilogue.log"
-      ncu_tries "$out/epilogue_${tag}_metrics.csv" --metrics "$metrics" --csv --page raw \
-        --print-units base "${forward[@]}" || status=1
-      python3 scripts/gpu_kernel_times.py --summarize "$out/epilogue_${tag}_metrics.csv" \
-        --columns "$columns" 2>&1 | tee -a "$out/epilogue.log" || status=1
-      # the forward's first Mosaic kernel is its GEMM1 on both paths
-      echo "== $experts: GEMM1's stall samples" | tee -a "$out/epilogue.log"
-      report="$report_dir/epilogue_$tag"
-      ncu_tries "$out/epilogue_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
-        --section SourceCounters --section WarpStateStats --import-source no -f -o "$report" \
-        "${forward[@]}" || status=1
-      stall_summary "$report" "$out/epilogue_${tag}_sass.csv" || status=1
-    done
-    exit "$status"
-    ;;
-  gather)
-    find_ncu || exit 2
-    ncu_report_dir
-    ncu_log="$out/gather.log"
-    # what the memory system does in the gathered fused GEMM1 and in the contiguous one that
-    # "auto" runs at B on permuted rows (each the forward's first Mosaic kernel): DRAM bytes,
-    # L2 and L1 hit rates, the cp.async (LDGSTS) and TMA traffic, then where each kernel's
-    # warps stall
-    columns='(gpu__time_duration|dram__bytes_(read|write)\.sum$|dram__throughput|hit_rate'
-    columns+='|lsu_mem_global_op_(ld|ldgsts)\.sum$|l1tex__m_xbar2l1tex_read_bytes\.sum$)'
-    status=0
-    for path in "--experts deep_gemm+mosaic_fp8" "--variant moe_jax_fp8_gathered"; do
-      tag=${path##* }
-      tag=${tag//+/_}
-      read -r -a forward_args <<< "$path"
-      forward=(python3 scripts/gpu_kernel_times.py B "${forward_args[@]}")
-      echo "== $tag: the GEMM1's memory workload" | tee -a "$ncu_log"
-      report="$report_dir/gather_$tag"
-      ncu_tries "$out/gather_${tag}_ncu.log" --kernel-name regex:mosaic --launch-count 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
-        --section SourceCounters --import-source no -f -o "$report" "${forward[@]}" \
-        || status=1
-      "$ncu_bin" --import "$report.ncu-rep" --csv --page raw --print-units base \
-        > "$out/gather_${tag}_raw.csv" 2>> "$ncu_log" || status=1
-      python3 scripts/gpu_kernel_times.py --summarize "$out/gather_${tag}_raw.csv" \
-        --columns "$columns" 2>&1 | tee -a "$ncu_log" || status=1
-      echo "== $tag: the GEMM1's stall samples" | tee -a "$ncu_log"
-      stall_summary "$report" "$out/gather_${tag}_sass.csv" || status=1
-    done
     exit "$status"
     ;;
   baseline)
@@ -283,7 +178,7 @@ case "$mode" in
       python3 -m moe_jax bench "${bench_args[@]}" --json "$out/current_$round.json" 2>&1 \
         | tee -a "$out/baseline.log" || status=1
     done
-    python3 scripts/bench_ratio.py --baseline "$out"/baseline_*.json \
+    python3 -m benchmarks.bench_ratio --baseline "$out"/baseline_*.json \
       --current "$out"/current_*.json 2>&1 | tee -a "$out/baseline.log" || status=1
     exit "$status"
     ;;
@@ -314,7 +209,7 @@ case "$mode" in
     status=0
     for side in without with; do
       echo "waited_overhead.py $side:" | tee -a "$out/env.log"
-      on_side "$side" python3 scripts/waited_overhead.py --samples 15 \
+      on_side "$side" python3 -m benchmarks.waited_overhead --samples 15 \
         --size "${MOE_JAX_ENV_WAITED_SIZE:-8192}" 2>&1 | tee -a "$out/env.log" || status=1
     done
     for round in $(seq -w "${MOE_JAX_ENV_ROUNDS:-2}"); do
@@ -323,13 +218,13 @@ case "$mode" in
           --json "$out/${side}_$round.json" 2>&1 | tee -a "$out/env.log" || status=1
       done
     done
-    python3 scripts/bench_ratio.py --names without with \
+    python3 -m benchmarks.bench_ratio --names without with \
       --baseline "$out"/without_*.json --current "$out"/with_*.json 2>&1 \
       | tee -a "$out/env.log" || status=1
     exit "$status"
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|epilogue|baseline|env (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|baseline|env (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -1,5 +1,6 @@
-"""scripts/ for their tests: a file of it (not a package) imported as a module for one test module,
-or a command run at the repository root as the GPU host runs it."""
+"""scripts/ and benchmarks/ for their tests: a file of scripts/ (not a package) imported as a
+module for one test module, a tool of benchmarks/ imported as `benchmarks.NAME`, or a command run
+at the repository root as the GPU host runs it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import ModuleType
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def loaded(name: str) -> Iterator[ModuleType]:
@@ -24,6 +26,20 @@ def loaded(name: str) -> Iterator[ModuleType]:
     spec.loader.exec_module(module)
     yield module
     del sys.modules[name]
+
+
+def benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as `benchmarks.<name>` (its imports of the tools beside it
+    work), the package registered from its folder: the repository root stays off sys.path, where
+    it would make kernels/ and interop/ importable as top-level packages (tests/conftest.py)."""
+    if "benchmarks" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "benchmarks", BENCHMARKS / "__init__.py", submodule_search_locations=[str(BENCHMARKS)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def run_at_root(

@@ -169,18 +169,53 @@ def test_readme_lists_the_layers():
     assert not missing, f"README's Architecture section does not place {missing}"
 
 
+def _imported_names(path: pathlib.Path) -> list[str]:
+    """Every module an import statement of the file names, relative imports aside ("from a
+    import b" names a and a.b: b may be a submodule)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def test_the_package_never_imports_the_benchmarks():
+    """benchmarks/ (the profiling tools, run from a checkout) imports the installed package,
+    never the reverse: no module of moe_jax/, kernels/ or interop/ imports it."""
+    bad = [
+        f"{module}: {name}"
+        for module, path in MODULES.items()
+        for name in _imported_names(path)
+        if name.split(".")[0] == "benchmarks"
+    ]
+    assert not bad, bad
+
+
+def test_the_cli_holds_only_what_its_commands_import():
+    """moe_jax/cli is `python -m moe_jax demo | info | bench` and the modules those import, no
+    more: every module of it is reached from moe_jax/__main__.py through moe_jax.cli imports.
+    A profiling or exploration tool belongs in benchmarks/."""
+    cli = {m for m in MODULES if m.startswith("moe_jax.cli.")}
+    reached, todo = set(), ["moe_jax.__main__"]
+    while todo:
+        for name in _imported_names(MODULES[todo.pop()]):
+            if name in cli and name not in reached:
+                reached.add(name)
+                todo.append(name)
+    assert "moe_jax.cli.layer_bench" in reached and "moe_jax.cli.demo" in reached
+    assert not cli - reached, f"no command imports {sorted(cli - reached)}: move to benchmarks/"
+
+
 def test_tests_and_scripts_import_the_installed_package_only():
-    """kernels/ and interop/ exist only as moe_jax.kernels / moe_jax.interop: no test or script
-    imports the folders as top-level packages (which would run every module twice)."""
+    """kernels/ and interop/ exist only as moe_jax.kernels / moe_jax.interop: no test, script or
+    benchmark imports the folders as top-level packages (which would run every module twice)."""
     bad = []
-    for path in sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")]):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("kernels", "interop")]
+    folders = ("tests", "scripts", "benchmarks")
+    for path in sorted(p for folder in folders for p in (ROOT / folder).glob("*.py")):
+        names = _imported_names(path)
+        bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("kernels", "interop")]
     assert not bad, bad
     # By file, not by name: a PyPI distribution called `kernels` exists (and transformers probes
     # for it); only modules loaded from this repository's folders count. (The H200 suite run of

@@ -1,5 +1,5 @@
-"""Today's code against an earlier commit's: scripts/bench_ratio.py on `bench --json` results, and
-`gpu_check.sh baseline` end to end on the CPU (a baseline tree from scripts/baseline_tree.sh);
+"""Today's code against an earlier commit's: benchmarks/bench_ratio.py on `bench --json` results,
+and `gpu_check.sh baseline` end to end on the CPU (a baseline tree from scripts/baseline_tree.sh);
 `gpu_check.sh env` (an environment setting against none) the same way."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import script_modules
 
 @pytest.fixture(scope="module")
 def ratio():
-    yield from script_modules.loaded("bench_ratio")
+    return script_modules.benchmark("bench_ratio")
 
 
 def _bench_json(path, rows):
-    path.write_text(json.dumps({"environment": {}, "rows": rows, "breakdown": {}}))
+    path.write_text(json.dumps({"environment": {}, "rows": rows}))
     return str(path)
 
 

@@ -1,7 +1,7 @@
 """DeepEP low-latency through moe_jax on one GPU (marked `gpu`; needs `deep_ep`).
 
 DeepEP needs a torch process group, which this pytest process (JAX already started) cannot join
-through `jax.distributed`; so the test launches `scripts/deep_ep_ll_bench.py --quick` as one
+through `jax.distributed`; so the test launches `benchmarks/deep_ep_ll_bench.py --quick` as one
 process through `python -m moe_jax.distributed`. Its checks: a moe_jax dispatch's valid rows,
 scales and counts equal a direct DeepEP dispatch's, and `deep_ep_ll_moe` (DeepEP FP8 dispatch,
 masked DeepGEMM, DeepEP combine) matches single-device `fused_moe` within 5e-2 relative error
@@ -34,7 +34,7 @@ def _run_ll_bench(port: int, *args: str) -> str:
             "1",
             "--coordinator-address",
             f"127.0.0.1:{port}",
-            os.path.join(ROOT, "scripts", "deep_ep_ll_bench.py"),
+            os.path.join(ROOT, "benchmarks", "deep_ep_ll_bench.py"),
             *args,
         ],
         capture_output=True,

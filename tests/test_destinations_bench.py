@@ -1,4 +1,4 @@
-"""scripts/destinations_bench.py on the smallest shape: both modes run, check every candidate bit
+"""benchmarks/destinations_bench.py on the smallest shape: both modes run, check every candidate bit
 for bit (the Pallas routing-metadata kernel in interpret mode off a GPU) and print one row per
 candidate, so the script is known to work before device time is spent on it."""
 
@@ -12,7 +12,7 @@ import script_modules
 
 @pytest.fixture(scope="module")
 def bench():
-    yield from script_modules.loaded("destinations_bench")
+    return script_modules.benchmark("destinations_bench")
 
 
 @pytest.mark.parametrize("mode", [[], ["--metadata"]], ids=["rank_methods", "metadata"])

@@ -1,4 +1,4 @@
-"""scripts/sanitize_kernels.py, the compute-sanitizer driver of the GPU host, on a tiny shape: on
+"""benchmarks/sanitize_kernels.py, the compute-sanitizer driver of the GPU host, on a tiny shape: on
 the CPU with the kernels' interpret-mode twins, so the driver itself is known to work before a
 GPU run; on a GPU with the compiled kernels (the sanitizer runs there: scripts/gpu_check.sh)."""
 
@@ -13,7 +13,7 @@ from moe_jax.registry import NoImplementationError
 
 @pytest.fixture(scope="module")
 def driver():
-    yield from script_modules.loaded("sanitize_kernels")
+    return script_modules.benchmark("sanitize_kernels")
 
 
 OFF_GPU = pytest.mark.skipif(

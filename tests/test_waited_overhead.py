@@ -1,5 +1,5 @@
-"""scripts/waited_overhead.py (what a waited-for call costs beyond a streamed one) on a tiny size:
-every program measured, the overhead the difference of the two figures, the JSON written."""
+"""benchmarks/waited_overhead.py (what a waited-for call costs beyond a streamed one) on a tiny
+size: every program measured, the overhead the difference of the two figures, the JSON written."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import script_modules
 
 @pytest.fixture(scope="module")
 def script():
-    yield from script_modules.loaded("waited_overhead")
+    return script_modules.benchmark("waited_overhead")
 
 
 def test_rows_and_json(script, tmp_path, capsys):

@@ -18,7 +18,6 @@ Without a GPU the tiny shape runs (every stage on XLA) so the command can be tes
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -29,6 +28,7 @@ import numpy as np
 
 from moe_jax import quant
 from moe_jax.activation import act_and_mul
+from moe_jax.cli import layer_report
 from moe_jax.cli.timing import rel_error, time_jax
 from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.experts import ExpertWeights
@@ -181,10 +181,10 @@ def measure(
             error = rel_error(out[:checked], ref)
             ms, latency_ms = time_jax(fn, args, iters=iters)
         except NotImplementedError as refusal:  # every backend asked for refused: say why
-            row["variants"][name] = dict(skipped=_short(refusal))
+            row["variants"][name] = dict(skipped=layer_report.skip_reason(refusal))
             continue
         except Exception as failure:  # noqa: BLE001 - e.g. out of memory: report, go on
-            row["variants"][name] = dict(skipped=f"failed: {_short(failure)}")
+            row["variants"][name] = dict(skipped=f"failed: {layer_report.skip_reason(failure)}")
             continue
         row["variants"][name] = dict(
             us=ms * 1e3, latency_us=latency_ms * 1e3, rel_error=error, x_limit=ms * 1e3 / limit_us
@@ -192,17 +192,8 @@ def measure(
     return row
 
 
-def _short(error: BaseException, limit: int = 300) -> str:
-    refusals = getattr(error, "refusals", None)  # NoImplementationError: name -> reason
-    if refusals:
-        text = "; ".join(f"{name}: {why}" for name, why in refusals.items())
-    else:
-        text = f"{type(error).__name__}: {error}".replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def format_table(shape: DecodeShape, rows: list[dict], variants: Sequence[str]) -> str:
-    """Markdown table of the rows; refusals listed under it."""
+    """Markdown table of the rows; each refusal's reason once under it, and large errors."""
     head = ["T", "active experts", "limit us"]
     if "auto" in variants:
         head += ["auto us", "x limit"]
@@ -214,32 +205,31 @@ def format_table(shape: DecodeShape, rows: list[dict], variants: Sequence[str]) 
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
+    skips: dict[str, int] = {}
     notes = []
     for row in rows:
         cells = [str(row["tokens"]), str(row["active_experts"]), _us(row["limit_us"])]
         auto = row["variants"].get("auto", {})
         if "auto" in variants:
-            cells += [_cell(auto), f"{auto['x_limit']:.2f}" if "x_limit" in auto else "-"]
+            cells += [_cell(auto, skips), f"{auto['x_limit']:.2f}" if "x_limit" in auto else "-"]
         for name in variants:
             if name != "auto":
-                cells.append(_cell(row["variants"][name]))
+                cells.append(_cell(row["variants"][name], skips))
         cells.append(f"{auto['rel_error']:.2e}" if "rel_error" in auto else "-")
         cells.append(row["auto_gemm"])
         lines.append("| " + " | ".join(cells) + " |")
         for name, result in row["variants"].items():
-            if "skipped" in result:
-                notes.append(f"T={row['tokens']} {name}: {result['skipped']}")
-            elif result["rel_error"] > 0.1:
+            if "skipped" not in result and result["rel_error"] > 0.1:
                 notes.append(f"T={row['tokens']} {name}: rel error {result['rel_error']:.2e}")
-    return "\n".join(lines + notes)
+    return "\n".join(lines + layer_report.note_lines(skips) + notes)
 
 
 def _us(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.3g}"
 
 
-def _cell(result: dict) -> str:
-    return _us(result["us"]) if "us" in result else "skipped"
+def _cell(result: dict, skips: dict[str, int]) -> str:
+    return _us(result["us"]) if "us" in result else layer_report.skip_note(result, skips)
 
 
 def plot(shape: DecodeShape, rows: list[dict], variants: Sequence[str], path: str) -> None:
@@ -289,8 +279,6 @@ def run_decode_bench(
       variants: `fused_moe` experts names; None: `VARIANTS`.
     """
     progress = sys.stderr if progress is None else progress
-    from moe_jax.cli import layer_report
-
     on_gpu = jax.default_backend() == "gpu"
     shape_name = shape or ("deepseek_v3" if on_gpu else "tiny")
     if shape_name not in SHAPES:
@@ -316,14 +304,9 @@ def run_decode_bench(
     env = layer_report.environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(format_table(decode_shape, rows, variants))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(
-                dict(environment=env, shape=dataclasses.asdict(decode_shape), rows=rows),
-                f,
-                indent=1,
-            )
-    if plot_path:
-        plot(decode_shape, rows, variants, plot_path)
-        print(f"wrote {plot_path}")
-    return 0
+    return layer_report.write_outputs(
+        dict(environment=env, shape=dataclasses.asdict(decode_shape), rows=rows),
+        json_path=json_path,
+        plot_path=plot_path,
+        draw=lambda path: plot(decode_shape, rows, variants, path),
+    )

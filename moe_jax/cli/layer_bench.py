@@ -41,7 +41,6 @@ Variants (each runs where it can; the table says why one did not):
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, layouts, quant
-from moe_jax.cli import gpu_clocks
+from moe_jax.cli import gpu_clocks, layer_report
 from moe_jax.cli.timing import rel_error, time_jax
 from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.experts import ExpertWeights
@@ -402,7 +401,6 @@ def run_layer_bench(
     shapes: Sequence[str] | None = None,
     variants: Sequence[str] | None = None,
     iters: int = 20,
-    breakdown: bool = False,
     json_path: str | None = None,
     plot_path: str | None = None,
     progress: TextIO | None = None,
@@ -413,38 +411,21 @@ def run_layer_bench(
       shapes: names from `SHAPES`; None: A and B on a GPU, "small" elsewhere.
       variants: names from `VARIANTS`; None: all but `OPT_IN_VARIANTS`.
       iters: latency samples per variant (streamed samples: max(3, iters // 2)).
-      breakdown: also time each stage of the FP8 forward (`moe_jax.cli.stage_breakdown`),
-        printed with the gap to the one-jit forward where moe_jax_fp8 is among the variants.
-      json_path: write {"environment", "rows", "breakdown"} there.
+      json_path: write {"environment", "rows"} there.
       plot_path: write a PNG bar chart there.
     """
     progress = sys.stderr if progress is None else progress
-    from moe_jax.cli import layer_report
-
     shape_names = list(shapes or (["A", "B"] if jax.default_backend() == "gpu" else ["small"]))
     variants = list(variants or [v for v in VARIANTS if v not in OPT_IN_VARIANTS])
     _check_names(shape_names, sorted(SHAPES), "shape")
     _check_names(variants, VARIANTS, "variant")
     rows = run(shape_names, variants, iters=iters, progress=progress)
-    breakdowns = {}
-    if breakdown:
-        from moe_jax.cli.stage_breakdown import stage_breakdown
-
-        for name in shape_names:
-            print(f"[{name}] stage breakdown", file=progress, flush=True)
-            breakdowns[name] = stage_breakdown(make_layer(SHAPES[name]), iters=iters)
     env = layer_report.environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
-    forward_ms = {
-        r["shape"]: r["ms"] for r in rows if r["variant"] == "moe_jax_fp8" and "ms" in r
-    }  # the one-jit forward the stages break down, where it was timed
-    for name, stages in breakdowns.items():
-        print(layer_report.format_breakdown(SHAPES[name], stages, forward_ms.get(name)))
     print(layer_report.format_table(rows))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(environment=env, rows=rows, breakdown=breakdowns), f, indent=1)
-    if plot_path:
-        layer_report.plot(rows, plot_path, shapes=SHAPES, baselines=BASELINES)
-        print(f"wrote {plot_path}")
-    return 0
+    return layer_report.write_outputs(
+        dict(environment=env, rows=rows),
+        json_path=json_path,
+        plot_path=plot_path,
+        draw=lambda path: layer_report.plot(rows, path, shapes=SHAPES, baselines=BASELINES),
+    )

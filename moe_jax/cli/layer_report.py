@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
@@ -18,9 +20,10 @@ def format_table(rows: list[dict]) -> str:
         f" {'rel. err':>9} {'latency ms':>10} {'1st call s':>10}"
     )
     lines = [header, "-" * len(header)]
+    notes: dict[str, int] = {}
     for r in rows:
         if "ms" not in r:
-            lines.append(f"{r['shape']:<6} {r['variant']:<{width}} skipped: {r['skipped']}")
+            lines.append(f"{r['shape']:<6} {r['variant']:<{width}} {skip_note(r, notes)}")
             continue
         ratio = f"{r['vs_best_baseline']:.2f}" if "vs_best_baseline" in r else "-"
         first = f"{r['first_call_s']:.1f}" if "first_call_s" in r else "-"
@@ -28,6 +31,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['shape']:<6} {r['variant']:<{width}} {r['ms']:>9.3f} {r['tflops']:>8.1f} "
             f"{ratio:>11} {r['rel_err']:>9.2e} {r['latency_ms']:>10.3f} {first:>10}"
         )
+    lines += note_lines(notes)
     lines.append(
         "ms: per forward, 10 calls back to back (host ahead, as in a model); latency: one "
         "call waited for. x best base: best baseline ms / ms. 1st call s: the first call, "
@@ -42,54 +46,63 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_breakdown(shape: object, rows: list[dict], forward_ms: float | None = None) -> str:
-    """The stage rows of `stage_breakdown.stage_breakdown`: each stage's host-clock ms and, where
-    measured (a GPU), its device ms, with shares of the device sum (of the host sum where a
-    stage has no device time). With `forward_ms` (the one-jit forward's ms, `bench`'s
-    moe_jax_fp8 row) also the gap: the forward minus each sum. Against the host sum it is what
-    the jit boundaries add or take away (negative where the stages alone wait on their launch);
-    against the device sum, the time the forward spends beyond its kernels' work.
+def skip_reason(error: BaseException, limit: int = 300) -> str:
+    """Why a variant did not run, in one line of at most `limit` characters: a refusal's reasons
+    by backend name (`NoImplementationError.refusals`), else the error's type and text."""
+    refusals = getattr(error, "refusals", None)  # NoImplementationError: name -> reason
+    if refusals:
+        text = "; ".join(f"{name}: {why}" for name, why in refusals.items())
+    else:
+        text = f"{type(error).__name__}: {error}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
-    Example:
-      >>> rows = [dict(stage="a", ms=1.0, device_ms=0.5), dict(stage="b", ms=3.0, device_ms=1.5)]
-      >>> print(format_breakdown("S", rows, 3.5))
-      stages of moe_jax_fp8, shape S (each jitted alone)
-        stage                                               host ms  device ms   share
-        a                                                     1.000      0.500   25.0%
-        b                                                     3.000      1.500   75.0%
-        sum                                                   4.000      2.000
-        forward (one jit)                                     3.500
-        forward - sum                                        -0.500     +1.500
-    """
-    width = 48
-    lines = [f"stages of moe_jax_fp8, shape {shape} (each jitted alone)"]
-    if not rows:
-        lines.append("  (experts='auto' is not the contiguous layout here: no stages to time)")
-        return "\n".join(lines)
-    lines.append(f"  {'stage':<{width}}    host ms  device ms   share")
-    host_total = sum(r["ms"] for r in rows)
-    device = [r.get("device_ms") for r in rows]
-    device_total = None if None in device else sum(device)
-    share_total = host_total if device_total is None else device_total
 
-    def device_cell(ms: float | None, sign: str = "") -> str:
-        return f"{'-':>10}" if ms is None else f"{ms:>{sign}10.3f}"
+def skip_note(row: dict, notes: dict[str, int]) -> str:
+    """The cell "skipped [n]" of a skipped row: n numbers its reason in `notes` (reason -> n, in
+    order of first use), so a reason several rows share is printed once, below the table."""
+    reason = " ".join(str(row["skipped"]).split())  # one line
+    return f"skipped [{notes.setdefault(reason, len(notes) + 1)}]"
 
-    for r, dev in zip(rows, device, strict=True):
-        share = r["ms"] if device_total is None else dev
-        lines.append(
-            f"  {r['stage']:<{width}} {r['ms']:>10.3f} {device_cell(dev)} "
-            f"{100 * share / share_total:6.1f}%"
+
+def note_lines(notes: dict[str, int]) -> list[str]:
+    """The lines "[n] reason" of `skip_note`'s notes."""
+    return [f"[{number}] {reason}" for reason, number in notes.items()]
+
+
+def missing_plot_dependency() -> str | None:
+    """Why `--plot` cannot draw here (matplotlib missing, with the extra that installs it), or
+    None: checked before a benchmark runs, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        return (
+            f"--plot needs matplotlib ({error}): install it with pip install -e '.[notebooks]' "
+            "from the repository, or pip install matplotlib"
         )
-    lines.append(f"  {'sum':<{width}} {host_total:>10.3f} {device_cell(device_total)}")
-    if forward_ms is not None:
-        lines.append(f"  {'forward (one jit)':<{width}} {forward_ms:>10.3f}")
-        device_gap = None if device_total is None else forward_ms - device_total
-        lines.append(
-            f"  {'forward - sum':<{width}} {forward_ms - host_total:>+10.3f} "
-            f"{device_cell(device_gap, '+')}"
-        )
-    return "\n".join(lines)
+    return None
+
+
+def write_outputs(
+    result: dict, *, json_path: str | None, plot_path: str | None, draw: Callable[[str], None]
+) -> int:
+    """Writes `result` to `json_path` as JSON, then the plot (`draw(plot_path)`); returns the exit
+    status. The JSON comes first and stays written if the plot fails: the failure is printed to
+    stderr and the status is 1."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        try:
+            draw(plot_path)
+        except Exception as error:  # the measurements are kept whatever the plot does
+            kept = f"; the results are in {json_path}" if json_path else ""
+            print(
+                f"--plot {plot_path} failed: {type(error).__name__}: {error}{kept}", file=sys.stderr
+            )
+            return 1
+        print(f"wrote {plot_path}")
+    return 0
 
 
 def plot(

@@ -1,6 +1,5 @@
 """`python -m moe_jax bench --train`: one MoE training step (forward + backward), moe_jax against
 torch's grouped-GEMM training step, each checked against a float32 reference before it is timed.
-(Also `python -m moe_jax.cli.train_bench --shape B`.)
 
 The step is `jax.value_and_grad` of `sum(fused_moe(x, w1, w2, topk_weights, ids) * probe)` with
 respect to x, w1, w2 and topk_weights (the router's gradient path), on `layer_bench`'s random
@@ -19,13 +18,12 @@ Variants:
 
 Times come from `moe_jax.cli.timing.time_calls` for both frameworks: "fwd ms" / "step ms" are
 medians of back-to-back bursts, "step latency ms" the median of single waited-for steps.
-"speedup vs torch_titan" is torch_titan's step ms / the row's step ms, per shape.
+"speedup vs torch_titan" is torch_titan's step ms / the row's step ms, per shape. Progress lines
+go to stderr as variants run, then one table like `bench`'s, each skip reason once below it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -106,7 +104,7 @@ def run_jax_variant(name: str, args, ref, *, iters: int) -> dict:
     try:
         _, grads = step(*args)
     except Exception as error:  # a backend that cannot run here: report why, go on
-        return {"variant": name, "skipped": f"{type(error).__name__}: {error}"[:300]}
+        return {"variant": name, "skipped": layer_report.skip_reason(error)}
     row = {"variant": name, **_errors(grads, ref)}
     x, w1, w2, tw, ids, _ = args
     row["fwd ms"], row["fwd latency ms"] = time_jax(
@@ -175,7 +173,7 @@ def run_torch_titan(args, ref, *, iters: int) -> dict:
         forward, step = torch_titan_step(x, w1, w2, tw, ids, probe)
         _, grads = step()
     except Exception as error:
-        return {"variant": name, "skipped": f"{type(error).__name__}: {error}"[:300]}
+        return {"variant": name, "skipped": layer_report.skip_reason(error)}
     as_jax = [jnp.asarray(g.detach().float().cpu().numpy()) for g in grads]
     row = {"variant": name, **_errors(as_jax, ref)}
     wait = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)  # CPU: eager
@@ -190,24 +188,24 @@ def run_torch_titan(args, ref, *, iters: int) -> dict:
     return row
 
 
-def run(shape_name: str, variants, *, iters: int, out: TextIO | None = None) -> list[dict]:
+def run(shape_name: str, variants, *, iters: int, progress: TextIO | None = None) -> list[dict]:
     """Rows (dicts with "shape", "variant", times and gradient errors, or "skipped") for one shape;
-    a header and each row as a JSON line go to `out` (None: sys.stdout) as they come."""
+    a line per step goes to `progress` (None: the current sys.stderr) as it starts."""
+    progress = sys.stderr if progress is None else progress
     shape = SHAPES[shape_name]
+    print(f"[{shape}] building inputs and float32 gradients", file=progress, flush=True)
     layer = make_layer(shape)
     probe = jax.random.normal(jax.random.PRNGKey(7), layer.x.shape, jnp.float32)
     args = (layer.x, layer.w1, layer.w2, layer.topk_weights, layer.topk_ids, probe)
     ref = reference_grads(args)
-    print(f"shape {shape}; jax {jax.__version__} on {jax.devices()[0].device_kind}", file=out)
     rows = []
-    for name in variants:
+    for step, name in enumerate(variants, 1):
+        print(f"[{step}/{len(variants)}] {shape.name} {name}", file=progress, flush=True)
         if name == BASELINE:
             row = run_torch_titan(args, ref, iters=iters)
         else:
             row = run_jax_variant(name, args, ref, iters=iters)
-        row = {"shape": shape_name, **row}
-        rows.append(row)
-        print(json.dumps(row), file=out, flush=True)
+        rows.append({"shape": shape_name, **row})
     baseline = next((r for r in rows if r["variant"] == BASELINE and "step ms" in r), None)
     for row in rows:
         if baseline is not None and "step ms" in row:
@@ -215,17 +213,42 @@ def run(shape_name: str, variants, *, iters: int, out: TextIO | None = None) -> 
     return rows
 
 
+# (row key, header, format) of the table's timed columns
+COLUMNS = (
+    ("fwd ms", "fwd ms", ".3f"),
+    ("step ms", "step ms", ".3f"),
+    ("step latency ms", "latency ms", ".3f"),
+    (f"speedup vs {BASELINE}", f"x {BASELINE}", ".2f"),
+    *((f"err_d{name}", f"err d{name}", ".2e") for name in GRAD_NAMES),
+)
+
+
 def format_table(rows: list[dict]) -> str:
-    """A markdown table of `run`'s rows (BENCHMARKS.md's form)."""
-    cols = ("fwd ms", "step ms", "step latency ms", f"speedup vs {BASELINE}", "err_dx", "err_dw1")
-    cols += ("err_dw2", "err_dtopk_weights")
-    lines = ["| shape | variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    """One line per (shape, variant) row of `run`, as `bench`'s table: times, the speedup over
+    the torch step, each gradient's error; a skipped row names its reason's note, each reason
+    printed once below the table."""
+    width = max([12, *(len(r["variant"]) for r in rows)])
+    widths = [max(10, len(header)) for _, header, _ in COLUMNS]
+    header = f"{'shape':<6} {'variant':<{width}}" + "".join(
+        f" {title:>{w}}" for (_, title, _), w in zip(COLUMNS, widths, strict=True)
+    )
+    lines = [header, "-" * len(header)]
+    notes: dict[str, int] = {}
     for row in rows:
+        start = f"{row['shape']:<6} {row['variant']:<{width}}"
         if "skipped" in row:
-            lines.append(f"| {row['shape']} | {row['variant']} | skipped: {row['skipped']} |")
+            lines.append(f"{start} {layer_report.skip_note(row, notes)}")
             continue
-        cells = [f"{row[c]:.3g}" if c in row else "-" for c in cols]
-        lines.append(f"| {row['shape']} | {row['variant']} | " + " | ".join(cells) + " |")
+        cells = [
+            f"{row[key]:>{w}{form}}" if key in row else f"{'-':>{w}}"
+            for (key, _, form), w in zip(COLUMNS, widths, strict=True)
+        ]
+        lines.append(start + "".join(f" {cell}" for cell in cells))
+    lines += layer_report.note_lines(notes)
+    lines.append(
+        "fwd / step ms: per call, back to back; latency: one step waited for. "
+        f"x {BASELINE}: its step ms / step ms. err: each gradient against float32."
+    )
     return "\n".join(lines)
 
 
@@ -258,11 +281,8 @@ def run_train_bench(
       iters: latency samples per variant (streamed samples: max(3, iters // 2)).
       json_path: write {"environment", "rows"} there.
       plot_path: write a PNG bar chart of the step times there.
-      progress: where the header and each row (a JSON line) go as they come.
+      progress: where a line per step goes as it starts (None: the current sys.stderr).
     """
-    progress = sys.stderr if progress is None else progress
-    from moe_jax.cli import layer_report
-
     shape_names = list(shapes or (["B"] if jax.default_backend() == "gpu" else ["small"]))
     variants = list(variants or VARIANTS)
     for given, known, what in (
@@ -276,36 +296,15 @@ def run_train_bench(
     if iters < 1:
         print(f"iters={iters} but at least 1 timed call is needed", file=sys.stderr)
         return 2
-    rows = [row for name in shape_names for row in run(name, variants, iters=iters, out=progress)]
+    rows = [
+        row for name in shape_names for row in run(name, variants, iters=iters, progress=progress)
+    ]
     env = layer_report.environment()
     print(" ".join(f"{k}={v}" for k, v in env.items()))
     print(format_table(rows))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(environment=env, rows=rows), f, indent=1)
-    if plot_path:
-        plot(rows, plot_path)
-        print(f"wrote {plot_path}")
-    return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="B", choices=sorted(SHAPES))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--json", help="write the rows here as JSON")
-    parser.add_argument("--plot", help="write a PNG bar chart of the step times here")
-    opts = parser.parse_args(argv)
-    return run_train_bench(
-        shapes=[opts.shape],
-        variants=opts.variants,
-        iters=opts.iters,
-        json_path=opts.json,
-        plot_path=opts.plot,
-        progress=sys.stdout,
+    return layer_report.write_outputs(
+        dict(environment=env, rows=rows),
+        json_path=json_path,
+        plot_path=plot_path,
+        draw=lambda path: plot(rows, path),
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

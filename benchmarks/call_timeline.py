@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.call_timeline`: where one waited-for forward's time goes, host and device.
+"""`python -m benchmarks.call_timeline`: where one waited-for forward's time goes, host and device.
 
 `bench`'s latency (one call, waited for) exceeds the device's span of the same forward by three
 things `kernel_gaps` (back-to-back calls, device events only) cannot separate: the host's work
@@ -14,7 +14,7 @@ reads from the profile's host and device planes, per call (offsets from the call
 - each torch callback's host time (`buffer_callback` events) and the host time of XLA's
   CUDA-graph launches (`cuGraphLaunch` events).
 
-    python -m moe_jax.cli.call_timeline --shape B --experts deep_gemm --calls 8 [--json t.json]
+    python -m benchmarks.call_timeline --shape B --experts deep_gemm --calls 8 [--json t.json]
 
 The profiler lengthens the host's side (CUPTI records every launch; the Python tracer is off,
 as in `kernel_gaps`), so compare these figures across experts or code versions, not with
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from moe_jax.cli import kernel_gaps
+from benchmarks import kernel_gaps
 
 CALL_PREFIX = "moe_jax_waited_call_"  # the TraceAnnotation around each timed call
 WARMUP = 3  # untraced calls first: compilation, autotuning, DeepGEMM's JIT
@@ -162,7 +162,7 @@ def _row(label: str, t: CallTimeline) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_jax.cli.call_timeline", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.call_timeline", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--shape", default="B", help="a `bench` shape: A, B or small")
     parser.add_argument(

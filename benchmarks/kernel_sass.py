@@ -12,7 +12,7 @@ Why: the fused act + quantize kernel's profile said "issue-bound"; the counts th
 libdevice `expf` of about 8 per element) showed which instructions to remove before any GPU time
 was spent (BENCHMARKS.md, "Prefill").
 
-    python -m moe_jax.cli.kernel_sass [--kernels act_and_quant group_quant permute_fp8
+    python -m benchmarks.kernel_sass [--kernels act_and_quant group_quant permute_fp8
         unpermute grouped_gemm_decode] [--top 12] [--keep DIR]
 
 The Triton IR comes from the installed jaxlib and is compiled by the installed `triton`
@@ -209,7 +209,7 @@ def triton_modules(fn: Callable, args: tuple) -> list[TritonModule]:
     if not options or len(texts) != len(options):
         raise RuntimeError(
             f"found {len(texts)} Triton modules for {len(options)} pallas_calls in the lowering "
-            "output: this JAX prints its debug IR differently; update moe_jax.cli.kernel_sass"
+            "output: this JAX prints its debug IR differently; update benchmarks.kernel_sass"
         )
     return [
         TritonModule(name=name, ir=text, num_warps=warps, num_stages=stages)

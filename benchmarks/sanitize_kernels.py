@@ -1,8 +1,8 @@
 """Runs every compiled Pallas kernel on a library path once, at layer shape B, for the sanitizer.
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python -m benchmarks.sanitize_kernels
     compute-sanitizer --tool racecheck --error-exitcode 9 \
-        python3 scripts/sanitize_kernels.py --shape tiny
+        python -m benchmarks.sanitize_kernels --shape tiny
 
 pytest under compute-sanitizer does not finish in 10 minutes, so this script runs each kernel in
 one small process instead: shape B (T=8192 E=128 k=8 H=2048 I=768), with invalid ids, an

@@ -1,4 +1,4 @@
-"""Rows and the markdown table of `python -m moe_jax.cli.kernel_bench`."""
+"""Rows and the markdown table of `python -m benchmarks.kernel_bench`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""`python -m moe_jax.cli.gemm_sweep`: tile sweep of the decode grouped GEMMs (Pallas, Mosaic).
+"""`python -m benchmarks.gemm_sweep`: tile sweep of the decode grouped GEMMs (Pallas, Mosaic).
 
 For each token count T it builds the contiguous layout of a decode batch routed like `bench
 --decode`, with the segment multiple the layer itself would use for that T
-(`PallasGemm.layout_alignment`: 16, 32 or 64 rows by pairs per expert) unless `--alignment` fixes
+(`moe_jax.plan.segment_alignment`: 16, 32 or 64 rows by pairs per expert) unless `--alignment` fixes
 it (DeepSeek-V3 on one GPU by default), then times
 `moe_jax.kernels.grouped_gemm_contiguous` for GEMM1 ([M, H] x [E, 2I, H]) and GEMM2
 ([M, I] x [E, H, I]) with the heuristic's tiles and each candidate of `CANDIDATES`, and on
@@ -15,7 +15,7 @@ is not is reported, not timed, and a wrong heuristic makes the command exit with
 prints, per T and GEMM, each config's streamed microseconds and its weight-read bandwidth (the
 active experts' FP8 weights and scales over the time), best first:
 
-    python -m moe_jax.cli.gemm_sweep --tokens 1 32 128 --json sweep.json
+    python -m benchmarks.gemm_sweep --tokens 1 32 128 --json sweep.json
 
 This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config` and
 `moe_jax.kernels.mosaic_fp8_config.heuristic_config`. Without a GPU it
@@ -44,12 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kernel_sass import captured_stdout
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import decode_bench
-from moe_jax.cli.kernel_sass import captured_stdout
 from moe_jax.cli.timing import BURST, rel_error, time_calls
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 from moe_jax.kernels import mosaic_fp8_gemm
+from moe_jax.plan import segment_alignment
 
 ALIGNMENT = 16  # sweep_one's default segment multiple (the layer's for <= 16 pairs per expert)
 CHECK_ROWS = 16
@@ -212,7 +213,7 @@ def layer_alignment(shape: decode_bench.DecodeShape, num_tokens: int) -> int:
         w_dtype="float8_e4m3fn",
         platform="gpu",
     )
-    return grouped_gemm.GEMMS.get("pallas").layout_alignment(problem)
+    return segment_alignment(grouped_gemm.GEMMS.get("pallas"), problem)
 
 
 def heuristic_of(
@@ -405,7 +406,7 @@ def _check_heuristic(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.cli.gemm_sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gemm_sweep", description=__doc__)
     parser.add_argument(
         "--tokens", type=int, nargs="+", help="token counts (default: 1 32 128 on a GPU, else 2)"
     )

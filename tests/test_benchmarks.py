@@ -1,6 +1,7 @@
-"""The per-piece benchmarks (`python -m moe_jax.cli.kernel_bench`, `.gemm_sweep`, `.interop_bench`)
-on the CPU."""
+"""The tools of benchmarks/ (`python -m benchmarks.kernel_bench`, `.gemm_sweep`, `.interop_bench`,
+`.kernel_gaps`, `.stage_breakdown`, `.gather_bench`) on the CPU."""
 
+import doctest
 import json
 import os
 import shutil
@@ -8,9 +9,17 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import script_modules
 
-from moe_jax.cli import gather_bench, gemm_sweep, interop_bench, kernel_bench, layer_report
+from moe_jax.cli import layer_bench, timing
 from moe_jax.kernels import mosaic_fp8_gemm
+
+gather_bench = script_modules.benchmark("gather_bench")
+gemm_sweep = script_modules.benchmark("gemm_sweep")
+interop_bench = script_modules.benchmark("interop_bench")
+kernel_bench = script_modules.benchmark("kernel_bench")
+kernel_gaps = script_modules.benchmark("kernel_gaps")
+stage_breakdown = script_modules.benchmark("stage_breakdown")
 
 
 @pytest.mark.slow
@@ -137,37 +146,31 @@ def test_gemm_sweep_defaults_to_the_layers_own_alignment():
 
 
 def test_kernel_gaps_summary_counts_overlaps_once_and_ranks_gaps():
-    from moe_jax.cli.kernel_gaps import Gap, KernelEvent, summarize
-
     events = [  # given out of order; "c" runs on a second stream inside "b"
-        KernelEvent("d", 100.0, 10.0),
-        KernelEvent("a", 0.0, 10.0),
-        KernelEvent("b", 30.0, 40.0),
-        KernelEvent("c", 40.0, 5.0),
-        KernelEvent("e", 111.0, 1.0),
+        kernel_gaps.KernelEvent("d", 100.0, 10.0),
+        kernel_gaps.KernelEvent("a", 0.0, 10.0),
+        kernel_gaps.KernelEvent("b", 30.0, 40.0),
+        kernel_gaps.KernelEvent("c", 40.0, 5.0),
+        kernel_gaps.KernelEvent("e", 111.0, 1.0),
     ]
-    s = summarize(events, top=2)
+    s = kernel_gaps.summarize(events, top=2)
     assert (s.num_kernels, s.span_ns, s.busy_ns) == (5, 112.0, 10.0 + 40.0 + 10.0 + 1.0)
     assert s.idle_ns == 112.0 - 61.0
     # gaps: a->b 20, b->d 30 (b, not the shorter c, ends the run), d->e 1
-    assert s.largest == (Gap(30.0, "b", "d"), Gap(20.0, "a", "b"))
-    assert summarize([]).num_kernels == 0 and summarize([]).largest == ()
+    assert s.largest == (kernel_gaps.Gap(30.0, "b", "d"), kernel_gaps.Gap(20.0, "a", "b"))
+    assert kernel_gaps.summarize([]).num_kernels == 0 and kernel_gaps.summarize([]).largest == ()
 
 
 def test_kernel_gaps_splits_forwards_by_kernel_count():
-    from moe_jax.cli.kernel_gaps import KernelEvent, split_forwards
-
-    events = [KernelEvent(f"k{i}", float(i), 0.5) for i in range(7)]
-    parts = split_forwards(events[::-1], 3)
+    events = [kernel_gaps.KernelEvent(f"k{i}", float(i), 0.5) for i in range(7)]
+    parts = kernel_gaps.split_forwards(events[::-1], 3)
     assert [[e.name for e in p] for p in parts] == [["k0", "k1", "k2"], ["k3", "k4", "k5"]]
     with pytest.raises(ValueError, match="kernels_per_forward=0"):
-        split_forwards(events, 0)
+        kernel_gaps.split_forwards(events, 0)
 
 
 def test_kernel_gaps_reads_a_real_trace_and_says_when_it_has_no_gpu(tmp_path):
     """A CPU trace through the same reader: no GPU plane, so no kernels and the planes named."""
-    from moe_jax.cli import kernel_gaps
-
     fn = jax.jit(lambda x: x * 2 + 1)
     path, measured, clocks = kernel_gaps._trace(fn, (jax.numpy.ones(8),), 1, 2, str(tmp_path))
     assert measured.streamed_ms > 0
@@ -184,8 +187,6 @@ def test_device_busy_ms_is_the_kernels_time_per_call():
     """Off a GPU there are no kernels to time (None); on one, a matmul large enough to bind the
     device (2 x 8192^3 bf16 flops, about 1.5 ms on an H100) keeps it busy for most of what the
     host clock sees of it back to back, and for no longer."""
-    from moe_jax.cli import kernel_gaps, timing
-
     with pytest.raises(ValueError, match="calls=0"):
         kernel_gaps.device_busy_ms(jax.jit(lambda x: x), (jax.numpy.ones(8),), calls=0)
     if jax.default_backend() != "gpu":
@@ -200,8 +201,6 @@ def test_device_busy_ms_is_the_kernels_time_per_call():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
 def test_kernel_gaps_refuses_without_a_gpu(capsys):
-    from moe_jax.cli import kernel_gaps
-
     assert kernel_gaps.main(["--shape", "small"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
     assert kernel_gaps.main(["--shape", "Z"]) == 2
@@ -209,35 +208,34 @@ def test_kernel_gaps_refuses_without_a_gpu(capsys):
 
 
 def test_kernel_gaps_times_kernels_per_forward_by_median():
-    from moe_jax.cli.kernel_gaps import KernelEvent, KernelTime, kernel_times, short_name
-
     forwards = [  # gemm then two copies, per forward: gemm 10/30/20, copies 2x1, 2x2, 2x3
         [
-            KernelEvent("gemm", 0.0, gemm),
-            KernelEvent("copy", gemm, copy),
-            KernelEvent("copy", gemm + copy + 1.0, copy),
+            kernel_gaps.KernelEvent("gemm", 0.0, gemm),
+            kernel_gaps.KernelEvent("copy", gemm, copy),
+            kernel_gaps.KernelEvent("copy", gemm + copy + 1.0, copy),
         ]
         for gemm, copy in ((10.0, 1.0), (30.0, 2.0), (20.0, 3.0))
     ]
-    assert kernel_times(forwards) == [KernelTime("gemm", 20.0, 1), KernelTime("copy", 4.0, 2)]
+    assert kernel_gaps.kernel_times(forwards) == [
+        kernel_gaps.KernelTime("gemm", 20.0, 1),
+        kernel_gaps.KernelTime("copy", 4.0, 2),
+    ]
     # a kernel missing from some forwards counts 0 there
-    assert kernel_times([[KernelEvent("a", 0.0, 5.0)], []]) == [KernelTime("a", 2.5, 1)]
+    assert kernel_gaps.kernel_times([[kernel_gaps.KernelEvent("a", 0.0, 5.0)], []]) == [
+        kernel_gaps.KernelTime("a", 2.5, 1)
+    ]
     long = "void deep_gemm::impl<(Major)0, 0u, 4096u, 7168u, 32u, 128u>(float*, int*)"
-    assert short_name(long) == "deep_gemm::impl<(Major)0, 0u, 4096u, 7168u, ...>"
-    assert short_name("void k<1, 2>(int)") == "k<1, 2>"
+    assert kernel_gaps.short_name(long) == "deep_gemm::impl<(Major)0, 0u, 4096u, 7168u, ...>"
+    assert kernel_gaps.short_name("void k<1, 2>(int)") == "k<1, 2>"
 
 
 def test_kernel_gaps_refuses_an_unknown_experts_name_before_anything_runs(capsys):
-    from moe_jax.cli import kernel_gaps
-
     assert kernel_gaps.main(["--shape", "small", "--experts", "deep_gemmm"]) == 2
     err = capsys.readouterr().err
     assert "unknown --experts 'deep_gemmm'" in err and "'mosaic_fp8'" in err
 
 
 def test_kernel_gaps_refuses_a_bad_variant_before_anything_runs(capsys):
-    from moe_jax.cli import kernel_gaps
-
     assert kernel_gaps.main(["--shape", "small", "--variant", "moe_jax_fp9"]) == 2
     err = capsys.readouterr().err
     assert "unknown --variant 'moe_jax_fp9'" in err and "'moe_jax_fp8_fused_act_skipping'" in err
@@ -248,8 +246,6 @@ def test_kernel_gaps_refuses_a_bad_variant_before_anything_runs(capsys):
 
 def test_kernel_gaps_builds_a_bench_variant_or_says_why_not():
     """The variant's forward is `bench`'s own: the same function and arguments it times."""
-    from moe_jax.cli import kernel_gaps
-
     fn, args = kernel_gaps.forward_fn("small", variant="moe_jax_fp8")
     out = fn(*args)
     assert out.shape == args[0].shape and bool(jax.numpy.isfinite(out.astype("float32")).all())
@@ -260,8 +256,6 @@ def test_kernel_gaps_builds_a_bench_variant_or_says_why_not():
 
 @pytest.mark.gpu
 def test_kernel_gaps_profiles_a_bench_variant(tmp_path):
-    from moe_jax.cli import kernel_gaps
-
     path = tmp_path / "gaps.json"
     argv = ["--shape", "small", "--variant", "moe_jax_fp8_fused_act_skipping"]
     argv += ["--samples", "1", "--burst", "2", "--json", str(path)]
@@ -272,16 +266,12 @@ def test_kernel_gaps_profiles_a_bench_variant(tmp_path):
 
 
 def test_kernel_gaps_counts_mosaic_gpu_kernels_as_gemms():
-    from moe_jax.cli.kernel_gaps import OTHER_STAGE, stage_of
-
-    assert stage_of("anonymous_mosaic_gpu_kernel") == "GEMMs"
-    assert stage_of("input_reduce_fusion") == OTHER_STAGE
+    assert kernel_gaps.stage_of("anonymous_mosaic_gpu_kernel") == "GEMMs"
+    assert kernel_gaps.stage_of("input_reduce_fusion") == kernel_gaps.OTHER_STAGE
 
 
 @pytest.mark.gpu
 def test_kernel_gaps_profiles_the_named_experts(tmp_path, capsys):
-    from moe_jax.cli import kernel_gaps
-
     path = tmp_path / "gaps.json"
     argv = ["--shape", "small", "--experts", "xla", "--samples", "1", "--burst", "2"]
     assert kernel_gaps.main([*argv, "--json", str(path)]) == 0
@@ -293,66 +283,88 @@ def test_kernel_gaps_profiles_the_named_experts(tmp_path, capsys):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
 def test_kernel_gaps_refuses_a_bad_decode_token_count(capsys):
-    from moe_jax.cli import kernel_gaps
-
     assert kernel_gaps.main(["--decode-tokens", "0"]) == 2
     assert "--decode-tokens 0" in capsys.readouterr().err
 
 
 def test_kernel_gaps_sums_kernels_by_stage_and_plots_them(tmp_path):
-    from moe_jax.cli.kernel_gaps import OTHER_STAGE, KernelTime, plot_stages, stage_times
-
     times = [
-        KernelTime("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u>", 100.0, 1),
-        KernelTime("grouped_gemm_config_block_m_16", 50.0, 1),
-        KernelTime("act_quant_silu_bm32_w4_g1_gm", 20.0, 1),
-        KernelTime("unpermute_config_block_t_2", 15.0, 1),
-        KernelTime("permute_config_block_m_16", 10.0, 1),
-        KernelTime("group_quant_bm32_w4_g1_gm", 5.0, 1),
-        KernelTime("input_reduce_fusion_1", 3.0, 1),
-        KernelTime("loop_select_fusion", 2.0, 2),
+        kernel_gaps.KernelTime("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u>", 100.0, 1),
+        kernel_gaps.KernelTime("grouped_gemm_config_block_m_16", 50.0, 1),
+        kernel_gaps.KernelTime("act_quant_silu_bm32_w4_g1_gm", 20.0, 1),
+        kernel_gaps.KernelTime("unpermute_config_block_t_2", 15.0, 1),
+        kernel_gaps.KernelTime("permute_config_block_m_16", 10.0, 1),
+        kernel_gaps.KernelTime("group_quant_bm32_w4_g1_gm", 5.0, 1),
+        kernel_gaps.KernelTime("input_reduce_fusion_1", 3.0, 1),
+        kernel_gaps.KernelTime("loop_select_fusion", 2.0, 2),
     ]
-    stages = stage_times(times)
+    stages = kernel_gaps.stage_times(times)
     assert stages == {
         "GEMMs": 150.0,
         "act*up + quantize": 20.0,
         "unpermute": 15.0,
         "permute": 10.0,
         "quantize x": 5.0,
-        OTHER_STAGE: 5.0,
+        kernel_gaps.OTHER_STAGE: 5.0,
     }
     assert sum(stages.values()) == sum(t.ns for t in times)
     path = tmp_path / "stages.png"
-    plot_stages("shape A", stages, 3000.0, str(path))
+    kernel_gaps.plot_stages("shape A", stages, 3000.0, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_table_columns_fit_the_longest_variant_name():
-    timed = dict(ms=0.9, tflops=600.0, rel_err=4.3e-2, latency_ms=1.2)
-    rows = [
-        dict(shape="B", variant="moe_jax_fp8", **timed),
-        dict(shape="B", variant="moe_jax_fp8_fused_act_graph", **timed),
-        dict(shape="B", variant="moe_jax_bf16", skipped="no GPU"),
-    ]
-    lines = layer_report.format_table(rows).splitlines()
-    header, short, long = lines[0], lines[2], lines[3]
-    # the "ms" column ends at the same place in the header and in every timed row
-    assert short.index("0.900") + 5 == long.index("0.900") + 5 == header.index("ms") + 2
-    assert lines[4].split() == ["B", "moe_jax_bf16", "skipped:", "no", "GPU"]
+@pytest.mark.parametrize(
+    "name",
+    sorted(p.stem for p in script_modules.BENCHMARKS.glob("*.py") if ">>>" in p.read_text()),
+)
+def test_docstring_examples(name):
+    """The tools' docstring examples (tests/test_doctests.py runs the package's)."""
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(script_modules.benchmark(name), f"benchmarks.{name}"):
+        runner.run(test)
+    results = runner.summarize(verbose=False)
+    assert results.attempted > 0 and results.failed == 0, f"benchmarks.{name}: see above"
 
 
-def test_bench_table_gives_the_first_call_where_it_was_timed():
-    timed = dict(ms=0.9, tflops=600.0, rel_err=4.3e-2, latency_ms=1.2)
-    rows = [
-        dict(shape="B", variant="moe_jax_fp8", first_call_s=61.25, **timed),
-        dict(shape="B", variant="torch_deep_gemm_fp8", **timed),  # no first call of its own
+@pytest.mark.slow
+def test_stage_breakdown_times_each_stage_and_the_gap_to_the_forward(tmp_path, capsys):
+    """The small shape: each stage of the FP8 forward timed by the host clock (and its kernels'
+    time on a GPU), beside the one-jit forward and the gap between them, printed and in the
+    JSON."""
+    path = tmp_path / "stages.json"
+    assert stage_breakdown.main(["--shapes", "small", "--iters", "2", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())["shapes"]["small"]
+    stages, forward = result["stages"], result["forward_ms"]
+    names = [s["stage"] for s in stages]
+    on_cpu = jax.default_backend() == "cpu"
+    gemm1, gemm2 = ("GEMM1 (xla)", "GEMM2 (xla)") if on_cpu else (names[2], names[-2])
+    assert gemm1.startswith("GEMM1 (") and gemm2.startswith("GEMM2 ("), names
+    # "auto" fuses GEMM1 with act*up + quantize only on Hopper from 128-row segments, which the
+    # small shape's rows do not ask for
+    assert names == [
+        "quantize x",
+        "permute",
+        gemm1,
+        "act*up + quantize",
+        gemm2,
+        "unpermute + reduce",
     ]
-    lines = layer_report.format_table(rows).splitlines()
-    assert lines[0].endswith("latency ms 1st call s")
-    assert lines[2].split()[-2:] == ["1.200", "61.2"]
-    assert lines[2].index("61.2") + 4 == len(lines[0])  # right-aligned under its header
-    assert lines[3].split()[-2:] == ["1.200", "-"]
-    assert "1st call s: the first call, compilation included" in lines[4]
+    assert all(s["ms"] > 0 for s in stages) and forward > 0
+    out = capsys.readouterr().out
+    assert "stages of moe_jax_fp8, shape small: T=256" in out
+    assert f"{'forward (one jit)':<48} {forward:>10.3f}" in out
+    gap = forward - sum(s["ms"] for s in stages)
+    device = [s["device_ms"] for s in stages]
+    if on_cpu:  # no device kernels in the CPU backend's trace
+        assert device == [None] * len(stages)
+        assert f"{'forward - sum':<48} {gap:>+10.3f} {'-':>10}" in out
+    else:  # each stage's kernels ran for some time
+        assert all(0 < d for d in device), stages
+        assert f"{'forward - sum':<48} {gap:>+10.3f} {forward - sum(device):>+10.3f}" in out
+    with pytest.raises(SystemExit):
+        stage_breakdown.main(["--iters", "0"])
+    assert "--iters 0: at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -366,7 +378,6 @@ def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch, fu
     the breakdown times it as one stage and feeds its FP8 output to GEMM2; where that GEMM1
     gathers its rows from the tokens, the layer routes instead of permuting, and so does the
     breakdown (the route's layout holds no rows: the fused stage reads the tokens)."""
-    from moe_jax.cli import layer_bench, stage_breakdown, timing
     from moe_jax.contiguous_experts import ContiguousExperts
 
     def one_call_samples(fn, args, *, iters):

@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.kernel_gaps`: where a forward's device time goes, kernel by kernel.
+"""`python -m benchmarks.kernel_gaps`: where a forward's device time goes, kernel by kernel.
 
 Traces back-to-back FP8 layer forwards (`fused_moe(experts="auto")`, or another `--experts` name,
 or one of `bench`'s FP8 variants with `--variant`, on `bench`'s shapes, or on `bench --decode`'s
@@ -12,10 +12,10 @@ figure and the device's span of the same calls sit side by side, burst by burst 
 prints how much the GEMMs slowed from the first forwards to the last, and the GPU's clock over
 the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down as it runs):
 
-    python -m moe_jax.cli.kernel_gaps --shape A --samples 5 [--json gaps.json]
-    python -m moe_jax.cli.kernel_gaps --decode-tokens 1 --plot stages.png
-    python -m moe_jax.cli.kernel_gaps --shape B --experts mosaic_fp8   # one GEMM backend
-    python -m moe_jax.cli.kernel_gaps --shape B --variant moe_jax_fp8_fused_act_skipping
+    python -m benchmarks.kernel_gaps --shape A --samples 5 [--json gaps.json]
+    python -m benchmarks.kernel_gaps --decode-tokens 1 --plot stages.png
+    python -m benchmarks.kernel_gaps --shape B --experts mosaic_fp8   # one GEMM backend
+    python -m benchmarks.kernel_gaps --shape B --variant moe_jax_fp8_fused_act_skipping
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
 Python, a synchronisation) or for an allocation. This is the profile issue 14 asks for; `bench
@@ -436,7 +436,7 @@ def _us(ns: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_jax.cli.kernel_gaps", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel_gaps", description=__doc__)
     parser.add_argument("--shape", default="A", help="a `bench` shape: A, B or small")
     parser.add_argument(
         "--decode-tokens",

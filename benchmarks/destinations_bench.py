@@ -17,12 +17,12 @@ block sizes, each first checked bit for bit against "xla" on both routings.
 
 Timing: host clock (`moe_jax.cli.timing.time_calls`: median of `--samples` samples of
 `--burst` back-to-back jitted calls, waited for with `jax.block_until_ready`), and, on a GPU,
-device time from a `jax.profiler` trace of `--trace-samples` bursts (`moe_jax.cli.kernel_gaps`'
+device time from a `jax.profiler` trace of `--trace-samples` bursts (`benchmarks.kernel_gaps`'
 reader): the summed kernel time per call and the kernels per call.
 
-    python scripts/destinations_bench.py [--shapes A B decode_128] [--json out.jsonl]
-    python scripts/destinations_bench.py --shapes decode_8 --samples 2 --burst 2  # CPU smoke
-    python scripts/destinations_bench.py --metadata [--shapes A B]
+    python -m benchmarks.destinations_bench [--shapes A B decode_128] [--json out.jsonl]
+    python -m benchmarks.destinations_bench --shapes decode_8 --samples 2 --burst 2  # CPU smoke
+    python -m benchmarks.destinations_bench --metadata [--shapes A B]
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kernel_gaps
 from moe_jax import expert_rank, kernels, layouts
-from moe_jax.cli import kernel_gaps, timing
+from moe_jax.cli import timing
 from moe_jax.kernels.routing_metadata import heuristic_config as metadata_heuristic
 
 ALIGNMENT = layouts.DEFAULT_ALIGNMENT

@@ -1,4 +1,4 @@
-"""Training tools of `moe_jax.cli`: per-stage step times and the wgrad bench."""
+"""Training tools of benchmarks/: per-stage step times and the wgrad bench."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import json
 import math
 
 import pytest
+import script_modules
 
-from moe_jax.cli import train_stages
 from moe_jax.cli.layer_bench import SHAPES, make_layer
 from moe_jax.masked_experts import MaskedExperts
 from moe_jax.registry import current_platform
+
+train_stages = script_modules.benchmark("train_stages")
 
 STAGES = ["permute", "GEMM1 (xla)", "act*up", "GEMM2 (xla)", "unpermute + reduce", "sum"]
 
@@ -37,8 +39,7 @@ def test_wgrad_bench_checks_and_times_each_wgrad(tmp_path):
     timed: torch (its CPU twin off a GPU) everywhere; Mosaic and the compiled Pallas kernel on a
     GPU, reported with their refusal elsewhere."""
     pytest.importorskip("torch", reason="the torch wgrad needs torch (moe_jax[torch])")
-    from moe_jax.cli import wgrad_bench
-
+    wgrad_bench = script_modules.benchmark("wgrad_bench")
     path = tmp_path / "wgrad.json"
     assert wgrad_bench.main(["--shapes", "small", "--iters", "1", "--json", str(path)]) == 0
     rows = {(r["gemm"], r["wgrad"]): r for r in json.loads(path.read_text())}

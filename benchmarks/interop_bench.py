@@ -2,7 +2,7 @@
 
 Run on a GPU host with DeepGEMM installed:
 
-    python -m moe_jax.cli.interop_bench [--iters 20] [--reps 15] [--command-buffer]
+    python -m benchmarks.interop_bench [--iters 20] [--reps 15] [--command-buffer]
 
 Every variant runs back to back `--iters` times per sample (so host work overlaps device work, as in
 a model's forward pass); a sample is the mean per call, the table shows the median of `--reps`

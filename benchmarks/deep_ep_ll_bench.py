@@ -3,7 +3,7 @@ then dispatch/combine time through moe_jax against direct DeepEP calls in the sa
 
 Run (after `source .gpu/install.sh` on the H200 host):
 
-    python -m moe_jax.distributed --num-processes 1 scripts/deep_ep_ll_bench.py [--quick]
+    python -m moe_jax.distributed --num-processes 1 benchmarks/deep_ep_ll_bench.py [--quick]
 
 World size 1: every expert is local, DeepEP's "sends" stay on the GPU (NVSHMEM P2P to itself).
 Prints one JSON line per measurement and a summary table; exits non-zero when a check fails.
@@ -346,7 +346,7 @@ def _copy_name(config) -> str:
 
 def _copied_exactly(out, received, torch) -> bool:
     """XLA-shaped buffers `out` hold `received`'s counts and layout, and each expert's rows,
-    scales and src_info below its count, bit for bit (`_copy_valid_rows`' contract)."""
+    scales and src_info below its count, bit for bit (the "valid_rows" copy's contract)."""
     count, rows, scales, info, layout = received
     ok = bool((out[2] == count).all() and (out[4] == layout).all())
     for e in range(count.shape[0]):
@@ -372,20 +372,21 @@ def time_copy_configs(args, problem, buffer, torch) -> dict:
     out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in received]
     out = [out[1], out[2], out[0], out[3], out[4]]  # `LLDispatched`'s leaf order
     results = {"valid_rows": int(count.sum()), "configs": {}}
+    copy_valid_rows = dep_ll.RECV_COPIES.get("valid_rows")
     stream = torch.cuda.Stream()
     for config in COPY_SWEEP:
         for o in out:
             o.zero_()
-        dep_ll._copy_valid_rows(out, received, config)
+        copy_valid_rows(out, received, config)
         torch.cuda.synchronize()
         check(f"copy_valid_rows[{_copy_name(config)}]", _copied_exactly(out, received, torch))
         with torch.cuda.stream(stream):
-            dep_ll._copy_valid_rows(out, received, config)  # warm-up off the capture
+            copy_valid_rows(out, received, config)  # warm-up off the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(COPIES_PER_GRAPH):
-                dep_ll._copy_valid_rows(out, received, config)
+                copy_valid_rows(out, received, config)
         times = []
         for _ in range(args.samples):
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -417,7 +418,7 @@ def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
     import glob
     import tempfile
 
-    from moe_jax.cli import kernel_gaps
+    from benchmarks import kernel_gaps
 
     wait(call())
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -452,7 +453,7 @@ def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
 
 
 def _short(name: str) -> str:
-    from moe_jax.cli import kernel_gaps
+    from benchmarks import kernel_gaps
 
     return kernel_gaps.short_name(name, template_args=1)[:48]
 
@@ -669,4 +670,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # `moe_jax.distributed` runs this as a file: the checkout's root goes on sys.path so that
+    # the tools beside it import as `benchmarks.*`.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

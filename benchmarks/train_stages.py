@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.train_stages`: the forward and the backward time of each stage of one
+"""`python -m benchmarks.train_stages`: the forward and the backward time of each stage of one
 MoE training step.
 
 The stages are the public methods `ContiguousExperts.apply` runs (`permute`, `first_gemm`,
@@ -61,7 +61,7 @@ def stage_times(layer: Layer, *, iters: int, experts="auto") -> list[dict]:
     prepared = PreparedTokens(
         x=layer.x, x_scales=None, topk_weights=layer.topk_weights, topk_ids=layer.topk_ids
     )
-    gemms = chosen.select_gemms(weights, num_tokens=num_tokens, topk=topk, x_dtype=layer.x.dtype)
+    gemms = chosen.plan_for(weights, num_tokens=num_tokens, topk=topk, x_dtype=layer.x.dtype)
     rows: list[dict] = []
     key = jax.random.PRNGKey(11)
 
@@ -88,19 +88,19 @@ def stage_times(layer: Layer, *, iters: int, experts="auto") -> list[dict]:
                 dataclasses.replace(prepared, x=x, topk_ids=ids),
                 weights,
                 expert_map=None,
-                gemms=gemms,
+                plan=gemms,
             ).rows
         ),
         (layer.x,),
         (layer.topk_ids,),
     )
-    lay = chosen.permute(prepared, weights, expert_map=None, gemms=gemms)
+    lay = chosen.permute(prepared, weights, expert_map=None, plan=gemms)
     h = timed(
         f"GEMM1 ({gemms.gemm1.name})",
         lambda rows, w1, lay: chosen.first_gemm(
             dataclasses.replace(lay, rows=rows),
             dataclasses.replace(weights, w1=w1),
-            gemms=gemms,
+            plan=gemms,
             call=call,
         ),
         (lay.rows, weights.w1),
@@ -110,7 +110,7 @@ def stage_times(layer: Layer, *, iters: int, experts="auto") -> list[dict]:
     y = timed(
         f"GEMM2 ({gemms.gemm2.name})",
         lambda a, w2, lay: chosen.second_gemm(
-            a, None, lay, dataclasses.replace(weights, w2=w2), gemms=gemms, call=call
+            a, None, lay, dataclasses.replace(weights, w2=w2), plan=gemms, call=call
         ),
         (a, weights.w2),
         (lay,),
@@ -118,7 +118,7 @@ def stage_times(layer: Layer, *, iters: int, experts="auto") -> list[dict]:
     timed(
         "unpermute + reduce",
         lambda y, topk_weights, lay: chosen.unpermute(
-            y, lay, dataclasses.replace(prepared, topk_weights=topk_weights), call
+            y, lay, dataclasses.replace(prepared, topk_weights=topk_weights), call, plan=gemms
         ),
         (y, layer.topk_weights),
         (lay,),

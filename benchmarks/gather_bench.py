@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.gather_bench`: the layer's front half with the gathered fused GEMM1
+"""`python -m benchmarks.gather_bench`: the layer's front half with the gathered fused GEMM1
 against the same with the permute and the contiguous fused GEMM1, alone, at `bench`'s shapes.
 
 The two forms are what `ContiguousExperts(alignment=128, fused_act_quant=...)` runs before
@@ -18,12 +18,12 @@ gathered / permuted, then the medians over the rounds. The rounds matter: a GPU'
 by several percent over a run (BENCHMARKS.md, "Prefill", 2026-12-06), so only same-round ratios
 compare.
 
-    python -m moe_jax.cli.gather_bench --shapes B --rounds 8 [--json gather.json]
+    python -m benchmarks.gather_bench --shapes B --rounds 8 [--json gather.json]
 
 Besides `bench`'s shapes, `--shapes` takes shape B varied one size at a time (`VARIED_B`):
 B_h1024 (H=1024), B_t2048 (T=2048), B_i1024 / B_i1536 / B_i2048 (I=1024 / 1536 / 2048: GEMM1's
 N = 2I from 2048 to 4096 at B's tokens and experts), B_e32 (T=4096, E=32, I=2048), where "auto"
-fuses GEMM1 too: where the gathered form's bound on N (`moe_jax.experts.GATHERED_MAX_N`) comes
+fuses GEMM1 too: where the gathered form's bound on N (`GATHERED_MAX_N` of `moe_jax.plan`) comes
 from.
 
 Without a GPU both forms run their interpret-mode twins ("_interpret": the gathered one is its
@@ -53,7 +53,7 @@ from moe_jax.prepare_finalize import PreparedTokens
 
 ALIGNMENT = 128  # the gathered kernel's segments: whole pairs of 64-row blocks
 # beside `bench`'s: shape B varied one size at a time, within where "auto" fuses GEMM1 (H up to
-# `moe_jax.experts.FUSED_ACT_QUANT_MAX_K`) and where its fused-GEMM1 rule was timed (BENCHMARKS.md,
+# `moe_jax.plan`'s `FUSED_ACT_QUANT_MAX_K`) and where its fused-GEMM1 rule was timed (BENCHMARKS.md,
 # "Prefill", 2026-12-05): what "auto" taking the gathered form would change besides shape B
 VARIED_B = {
     "B_h1024": dict(hidden=1024),
@@ -89,24 +89,26 @@ def front_halves(
     )
     weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
     call = ExpertsCall(quant_config=quant.Fp8BlockQuant())
-    suffix = "_interpret" if interpret else ""
     calls = {}
     for form in FORMS:
+        fused = FUSED_BACKENDS[form]
+        if interpret:  # the interpret twins are no registered backends: objects
+            from moe_jax.kernels.mosaic_fp8_gemm import MosaicFp8FusedGemm1
+
+            fused = MosaicFp8FusedGemm1(interpret=True, gathers_rows=form == "gathered")
         experts = ContiguousExperts(
-            gemm="xla" if interpret else "auto",
-            alignment=ALIGNMENT,
-            fused_act_quant=FUSED_BACKENDS[form] + suffix,
+            gemm="xla" if interpret else "auto", alignment=ALIGNMENT, fused_act_quant=fused
         )
-        gemms = experts.select_gemms(
+        gemms = experts.plan_for(
             weights, num_tokens=shape.num_tokens, topk=shape.topk, x_dtype=quant.FP8_DTYPE
         )
         if not gemms.fuses_act_quant or gemms.gathers_rows != (form == "gathered"):
             raise RuntimeError(f"{form}: {gemms} is not the fused GEMM1 this form times")
 
         def front(experts=experts, gemms=gemms):
-            lay = experts.arrange(prepared, weights, expert_map=None, gemms=gemms)
+            lay = experts.arrange(prepared, weights, expert_map=None, plan=gemms)
             return experts.first_gemm_act_quant(
-                lay, weights, gemms=gemms, call=call, prepared=prepared
+                lay, weights, plan=gemms, call=call, prepared=prepared
             )
 
         calls[form] = jax.jit(front)
@@ -176,7 +178,7 @@ def summary(results: Sequence[dict[str, float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moe_jax.cli.gather_bench",
+        prog="python -m benchmarks.gather_bench",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

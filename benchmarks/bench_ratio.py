@@ -1,7 +1,7 @@
 """Today's code against an earlier commit's, from `bench --json` files of alternating runs.
 
-    python3 scripts/bench_ratio.py --baseline b1.json b2.json --current c1.json c2.json
-    python3 scripts/bench_ratio.py --names without "with X=1" --baseline ... --current ...
+    python -m benchmarks.bench_ratio --baseline b1.json b2.json --current c1.json c2.json
+    python -m benchmarks.bench_ratio --names without "with X=1" --baseline ... --current ...
 
 Each file is one `python -m moe_jax bench ... --json F` run; the baseline and current runs are
 taken in alternation on one machine (`bash scripts/gpu_check.sh baseline` does that). For each

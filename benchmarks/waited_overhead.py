@@ -12,8 +12,8 @@ Per program: "streamed us" is the median over `--samples` samples of `--burst` b
 calls and one wait, per call; "waited us" the median of `--samples` single calls each waited
 for; "overhead us" their difference.
 
-    python scripts/waited_overhead.py [--size 8192] [--samples 20] [--json out.json]
-    python scripts/waited_overhead.py --size 64 --samples 2   # CPU smoke run
+    python -m benchmarks.waited_overhead [--size 8192] [--samples 20] [--json out.json]
+    python -m benchmarks.waited_overhead --size 64 --samples 2   # CPU smoke run
 
 On an H200 (2026-12-02, BENCHMARKS.md): a jitted bf16 8192^3 matmul 1530.6 us streamed, 1835.7
 waited (+305 us); torch's 1592.5 / 1630.9 (+38 us).

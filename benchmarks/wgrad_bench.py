@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.wgrad_bench`: the grouped weight gradient of a layer's two GEMMs, every
+"""`python -m benchmarks.wgrad_bench`: the grouped weight gradient of a layer's two GEMMs, every
 `WGRADS` implementation that runs here and a sweep of Mosaic GPU tile configurations, each checked
 against the float32 XLA wgrad first.
 

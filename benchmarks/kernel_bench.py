@@ -1,9 +1,9 @@
 """Benchmark of the Pallas data-movement kernels against XLA and device copy bandwidth.
 
-    python -m moe_jax.cli.kernel_bench              # on a GPU: shapes A and B
-    python -m moe_jax.cli.kernel_bench --sweep      # also time a few block configs, keep the best
-    python -m moe_jax.cli.kernel_bench --tiny --interpret   # CPU smoke run of this script
-    python -m moe_jax.cli.kernel_bench --kernels metadata --sweep   # one kernel family
+    python -m benchmarks.kernel_bench              # on a GPU: shapes A and B
+    python -m benchmarks.kernel_bench --sweep      # also time a few block configs, keep the best
+    python -m benchmarks.kernel_bench --tiny --interpret   # CPU smoke run of this script
+    python -m benchmarks.kernel_bench --kernels metadata --sweep   # one kernel family
 
 Kernels: permute (bf16 and FP8 rows with scales), the contiguous layout's routing metadata
 (inverse, counts, segment ends, each row's token and expert), unpermute (weighted gather-sum),
@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kernel_report
 from moe_jax import act_quant, kernels, layouts
 from moe_jax import permute as permute_op
-from moe_jax.cli import kernel_report
 from moe_jax.cli.timing import time_calls
 from moe_jax.kernels.act_quant import heuristic_config as act_quant_heuristic
 from moe_jax.kernels.permute import heuristic_config as permute_heuristic

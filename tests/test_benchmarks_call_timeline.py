@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.call_timeline`: one waited call's host and device timeline, read from
+"""`python -m benchmarks.call_timeline`: one waited call's host and device timeline, read from
 synthetic profile events (the GPU run itself needs a GPU) and from a real CPU trace."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+import script_modules
 
-from moe_jax.cli import call_timeline as ct
+ct = script_modules.benchmark("call_timeline")
 
 GPU, HOST = "/device:GPU:0", "/host:CPU"
 

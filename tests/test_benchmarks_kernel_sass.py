@@ -1,4 +1,4 @@
-"""`python -m moe_jax.cli.kernel_sass` on the CPU: every kernel lowers for CUDA and yields one
+"""`python -m benchmarks.kernel_sass` on the CPU: every kernel lowers for CUDA and yields one
 Triton module per pallas_call, cleaned for Triton's parser; with the `triton` package installed
 (not in CI) the modules also compile for sm_90 and the SASS is summarized."""
 
@@ -8,8 +8,9 @@ import importlib.util
 import tempfile
 
 import pytest
+import script_modules
 
-from moe_jax.cli import kernel_sass
+kernel_sass = script_modules.benchmark("kernel_sass")
 
 
 @pytest.mark.parametrize("kernel", kernel_sass.KERNELS)

@@ -1,0 +1,25 @@
+"""Profiling and exploration tools, run from a checkout's root: `python -m benchmarks.NAME --help`.
+
+They import the installed `moe_jax` (the package never imports them); `python -m moe_jax bench`
+is the product's benchmark. Their tests are in tests/test_benchmarks*.py and tests/test_<NAME>.py.
+
+Whole layer:
+  stage_breakdown     each stage of the FP8 forward jitted alone, host and device ms
+  kernel_gaps         a forward's device time kernel by kernel, and the idle gaps between them
+  call_timeline       one waited-for forward's host and device timeline
+  gather_bench        the front half with the gathered fused GEMM1 against the permuted one
+  train_stages        forward and backward time of each stage of a training step
+  bench_ratio         current / baseline table of `bench --json` files (gpu_check.sh baseline)
+  waited_overhead     what waiting for a call costs over streaming calls, on this host
+Kernels:
+  kernel_bench        the Pallas data-movement kernels against XLA and the copy bandwidth
+  gemm_sweep          tile sweep of the decode grouped GEMMs (Pallas, Mosaic)
+  wgrad_bench         the grouped weight-gradient kernels
+  destinations_bench  the contiguous layout's rank methods and the routing-metadata kernel
+  kernel_sass         what the Pallas kernels compile to on Hopper (SASS), without a GPU
+  sanitize_kernels    every compiled kernel once, for compute-sanitizer (gpu_check.sh sanitize)
+Interop:
+  interop_bench       DeepGEMM and torch grouped GEMMs from jax.jit against torch's own calls
+  deep_ep_ll_bench    DeepEP low latency through moe_jax on one GPU, run as a file: `python -m
+                      moe_jax.distributed --num-processes 1 benchmarks/deep_ep_ll_bench.py`
+"""
