@@ -506,18 +506,22 @@ if decode is not None:
     md("""
 ## Where a forward's device time goes
 
-`python -m moe_jax.cli.kernel_gaps --shape A --json ...` (or `--decode-tokens T`) traces the
-bench's own timing loop with `jax.profiler` and records each kernel's device time per forward.
+`python -m benchmarks.kernel_gaps --shape A --json ...` (or `--decode-tokens T`), run from the
+repository root, traces the bench's own timing loop with `jax.profiler` and records each kernel's
+device time per forward.
 `profile_results.json` next to this notebook holds four such profiles from one H200 call of
 2026-12-02 (BENCHMARKS.md, "Prefill" and "Decode"). The kernels are summed by stage with the
-CLI's own `stage_of`; the bar's full length is the host clock per call, so what is left of it
+tool's own `stage_of`; the bar's full length is the host clock per call, so what is left of it
 past the kernels is the host's share (launches, the lead-in of each burst).
 """),
     code("""
-from moe_jax.cli.kernel_gaps import STAGES, OTHER_STAGE, stage_of
+import sys
+
+sys.path.append(str(pathlib.Path.cwd().parent))  # benchmarks/ is at the repository root
+from benchmarks.kernel_gaps import STAGES, OTHER_STAGE, stage_of  # noqa: E402
 
 profiles = load_results("MOE_JAX_PROFILE_JSON", "profile_results.json",
-                        "python -m moe_jax.cli.kernel_gaps --json ...")
+                        "python -m benchmarks.kernel_gaps --json ...")
 if profiles is not None:
     env = profiles["environment"]
     print(f"{env['device']}, jax {env['jax']}, DeepGEMM {env['deep_gemm']}, {env['date']}")
