@@ -24,6 +24,14 @@ def code(text: str):
     return new_code_cell(text.strip())
 
 
+# Every notebook's first cell: how to get what it imports (moe_jax is not on PyPI).
+INSTALL = """
+**Setup.** From a clone of the moe_jax repository: `pip install -e '.[notebooks]'` (on a machine
+without a GPU, `pip install torch --index-url https://download.pytorch.org/whl/cpu` first, if you
+want the torch backends too). Then open this notebook from the clone's `notebooks/` folder.
+"""
+
+
 TOUR = [
     md("""
 # A tour of `moe_jax.flax_layer.MoE`
@@ -753,9 +761,11 @@ step, and `ContiguousExperts(recipe=Fp8Training())` from `moe_jax.fp8_training` 
 
 
 def write(name: str, cells) -> None:
-    nb = new_notebook(cells=cells)
-    for index, cell in enumerate(nb.cells):  # stable ids: regenerating changes only edited cells
-        cell.id = f"{pathlib.Path(name).stem}-{index:02d}"
+    nb = new_notebook(cells=[md(INSTALL), *cells])
+    stem = pathlib.Path(name).stem
+    nb.cells[0].id = f"{stem}-install"
+    for index, cell in enumerate(nb.cells[1:]):  # stable ids: a rebuild changes edited cells only
+        cell.id = f"{stem}-{index:02d}"
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",
