@@ -22,17 +22,13 @@ expert stream the same weight tile together and share it through L2) or column t
 row block's x rows stay in L2 across its column tiles while the weights stream); the heuristic
 takes columns first for FP8, where x outgrows L2 from a few dozen tokens.
 
-Pallas Triton lowers FP8 dots on sm_90 (H200, jax 0.11.2), and the heuristic feeds FP8 tiles to
-the dot as vLLM's Triton kernel does (`GroupedGemmConfig.is_fp8_dot`). Pallas asks Triton for
-exact accumulation of those dots, so Triton upcasts the tiles to half precision for `mma.sync`
-(read offline from the SASS, `python -m moe_jax.cli.kernel_sass`). `is_fp8_wgmma`, which the
-heuristic sets for FP8, lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
+Pallas Triton lowers FP8 dots on sm_90, and the heuristic feeds FP8 tiles to the dot as vLLM's
+Triton kernel does (`GroupedGemmConfig.is_fp8_dot`). Pallas asks Triton for exact accumulation of
+those dots, so Triton upcasts the tiles to half precision for `mma.sync`; `is_fp8_wgmma`, which
+the heuristic sets for FP8, lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
 128-wide K block with fewer than float32's bits before the per-block scales apply in float32
-(`kernels/_fp8_dot.py`; on the H200 with DeepSeek-V3 shapes 1% faster at T=512, where the
-weight stream bounds it, 13-19% at T=1024 and 27-31% at T=2048).
-With `is_fp8_dot=False` the tiles are upcast to bf16 in-kernel instead (exact: e4m3 values are
-bf16 values), at the cost of converting every weight element in the kernel's own code (slower on
-the H200: see `heuristic_config`).
+(`kernels/_fp8_dot.py`). With `is_fp8_dot=False` the tiles are upcast to bf16 in-kernel instead
+(exact: e4m3 values are bf16 values), converting every weight element in the kernel's code.
 Padding rows of the output are unspecified, as the `GroupedGemm` contract allows; nothing is read
 or written out of bounds.
 """
@@ -53,10 +49,9 @@ SCALE_BLOCK = 128  # vLLM's FP8 block: one scale per 128 K columns (and 128 N ro
 MIN_BLOCK = 16  # smallest tile side Triton's dot takes
 SHORT_SEGMENT_ROWS = 16  # mean rows per expert up to which rows-first layouts take [16, 64] tiles
 WGMMA_ROWS = 64  # rows of one warpgroup's Hopper wgmma: block_m from which FP8 runs untransposed
-MAX_ALIGNMENT = 64  # widest segment multiple `PallasGemm.layout_alignment` asks for (block_m cap)
-# Layout rows from which the FP8 heuristic launches column tiles first: H200 sweep of 2026-12-02
-# (DeepSeek-V3): 1024 rows (T=8) and more are faster columns first, 128 rows (T=1) rows first
-# (GEMM2 51.6 vs 58.2 us), BENCHMARKS.md.
+MAX_ALIGNMENT = 64  # widest segment multiple `PallasGemm` tiles (its block_m cap)
+# Layout rows from which the FP8 heuristic launches column tiles first (BENCHMARKS.md "Thresholds":
+# COLUMN_MAJOR_MIN_ROWS)
 COLUMN_MAJOR_MIN_ROWS = 512
 _FLOAT_DTYPES = ("bfloat16", "float16")
 
@@ -82,9 +77,8 @@ class GroupedGemmConfig:
         each 128-wide K block with less precision than float32 before the kernel scales it and
         adds it in float32 (DeepGEMM's and vLLM's recipe; `kernels/_fp8_dot.py`). Without it
         Pallas' lowering asks for exact accumulation and Triton upcasts the FP8 tiles to half
-        precision for `mma.sync` (seen offline with `python -m moe_jax.cli.kernel_sass`).
-        Needs `is_fp8_dot` and FP8 operands. The heuristic turns it on for FP8 (H200 timings in
-        `heuristic_config`).
+        precision for `mma.sync` (seen offline with `benchmarks/kernel_sass.py`). Needs
+        `is_fp8_dot` and FP8 operands. The heuristic turns it on for FP8.
     """
 
     block_m: int = 16
@@ -123,26 +117,14 @@ def heuristic_config(
 
     block_m is the largest power of two <= `MAX_ALIGNMENT` dividing the alignment and at most the
     mean segment length (M / E rounded up to a power of two, at least 16). FP8 feeds the dot
-    directly (upcasting each weight element costs more ALU time than the memory stream leaves, H200
-    sweep of 2026-12-01 in BENCHMARKS.md) and on Hopper's FP8 wgmma (`is_fp8_wgmma`: the exact
-    accumulation Pallas asks for by default runs on mma.sync with both tiles upcast to half
-    precision, on the H200 1% slower at T=512, 13-19% at T=1024, 27-31% at T=2048, 2026-12-02
-    22-23 UTC). Short segments launched rows first (T=1, and bf16) take [16, 64] tiles (more
-    programs to stream the weights; 6 pipeline stages for FP8, the only dtype swept); FP8 short
-    segments launched columns first (T=8, T=32) and longer ones [., 128] tiles computed
-    transposed while block_m < 64 (H200, 2026-12-03: GEMM1 at T=8 402 vs 420 us, at T=32 1167
-    vs 1203 us; GEMM2 within the sweep's noise, 215-235 vs 218-223 us at T=8), so the
-    weight rows fill the large side of Hopper's wgmma (FP8: 5 stages up to 32 mean rows, 3
-    above); from block_m 64 on the x rows fill it themselves and the [64, 128] tile runs as it
-    is with 4 stages (FP8 at T=2048: GEMM1 2426 vs 2566 us, GEMM2 1186 vs 1406 us transposed).
-    FP8 launches the grid column tiles first (`GroupedGemmConfig.is_column_major`) from
+    directly on Hopper's FP8 wgmma (`is_fp8_wgmma`). Short segments launched rows first (T=1,
+    and bf16) take [16, 64] tiles (more programs to stream the weights); FP8 short segments
+    launched columns first and longer ones take [., 128] tiles, computed transposed while
+    block_m < 64 so the weight rows fill the large side of Hopper's wgmma; from block_m 64 on
+    the x rows fill it themselves. FP8 launches the grid column tiles first from
     `COLUMN_MAJOR_MIN_ROWS` layout rows: x outgrows L2 from about T=32 on DeepSeek-V3, and row
-    blocks first would stream it from DRAM once per column tile.
-    `python -m moe_jax.cli.gemm_sweep` times the alternatives: on the H200 (2026-12-02, night,
-    DeepSeek-V3 FP8 shapes, T=32..1024) columns first is 8-18% faster for every GEMM and T, and
-    these choices are within 2.5% of the fastest of 22 candidates (GEMM2 at T=128: 934 vs 919
-    us); with FP8 wgmma (T=512 on 32-row segments, T=1024, T=2048) within 1.6% of the fastest,
-    BENCHMARKS.md.
+    blocks first would stream it from DRAM once per column tile. `benchmarks/gemm_sweep.py`
+    times the alternatives (BENCHMARKS.md).
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_cap = min(MAX_ALIGNMENT, mean_rows)
@@ -166,8 +148,8 @@ def heuristic_config(
 
 
 def _stages(mean_rows: int, block_m: int, *, is_fp8: bool, is_wide: bool) -> int:
-    """Pipeline stages of the K loop by mean segment rows, row block and tile width (FP8
-    swept on the H200; bf16 not)."""
+    """Pipeline stages of the K loop by mean segment rows, row block and tile width (FP8 swept;
+    bf16 not)."""
     if is_fp8 and block_m >= WGMMA_ROWS:
         return 4
     if not is_wide:  # short segments launched rows first
@@ -235,8 +217,7 @@ def _grouped_gemm_kernel(
             if x_scales_ref is None:
                 return acc + part
             # One scale per output element ([1, bm] or [bm, 1] times the tile's weight scale), so
-            # the tile takes one multiply-add: 8% off GEMM1 at T=2048 (64-row tiles) on the H200
-            # against part * x_scale * w_scale, within noise at 16-row tiles (BENCHMARKS.md).
+            # the tile takes one multiply-add rather than part * x_scale * w_scale.
             group = k0 // SCALE_BLOCK
             x_scale = x_scales_ref[pl.ds(row0, block_m), group]
             w_scale = w_scales_ref[expert, col0 // SCALE_BLOCK, group]
@@ -265,11 +246,11 @@ def _needs_packing(w: jax.Array) -> bool:
 
     Pallas Triton computes pointer offsets in int32 unless an operand exceeds 2**32 *bytes*, so
     element offsets of 1-byte arrays past 2**31 elements wrap (DeepSeek-V3's w2: 3.8e9 elements).
-    `moe_jax.kernels._wide_offsets` patches that at import; only where it cannot apply
-    (`_triton.WIDE_BYTE_OFFSETS` False) do such weights travel as uint16 byte pairs (half the
-    elements; a free bitcast, but the unpacking halved GEMM2's bandwidth on the H200).
+    `moe_jax.kernels._wide_offsets` patches that before lowering; only where it cannot apply
+    (`_triton.wide_byte_offsets()` False) do such weights travel as uint16 byte pairs (half the
+    elements; a free bitcast, but the unpacking halves GEMM2's bandwidth).
     """
-    if _triton.WIDE_BYTE_OFFSETS:
+    if _triton.wide_byte_offsets():
         return False
     return _wide_offsets.needs_wide_offsets(w.shape, w.dtype) and w.size <= 2**32
 
@@ -445,13 +426,14 @@ def grouped_gemm_contiguous_reference(
 class PallasGemm(grouped_gemm.GroupedGemm):
     """GEMM backend running `grouped_gemm_contiguous` (compiled, or in interpret mode).
 
-    The contiguous layout it asks for (`layout_alignment`) pads each expert's segment to 16, 32
-    or 64 rows by the mean routed pairs per expert, so the heuristic's row blocks grow with the
-    segments. The masked layout runs on the same kernel: each expert's block of max_m rows
-    (padded to a multiple of block_m) is a segment, rows past the expert's count padding.
+    It takes segments of 16 to 64 rows (`alignment`, `max_alignment`; `moe_jax.plan` chooses
+    by the mean routed pairs per expert), and the heuristic's row blocks grow with them. The
+    masked layout runs on the same kernel: each expert's block of max_m rows (padded to a
+    multiple of block_m) is a segment, rows past the expert's count padding.
     """
 
     alignment = MIN_BLOCK
+    max_alignment = MAX_ALIGNMENT
 
     def __init__(
         self, *, name: str, interpret: bool, config: GroupedGemmConfig | None = None
@@ -459,24 +441,6 @@ class PallasGemm(grouped_gemm.GroupedGemm):
         self.name = name
         self.interpret = interpret
         self.config = config
-
-    def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
-        """The power of two at least twice the mean pairs per expert, within [16, 64]: 16 rows
-        up to 8 mean pairs per expert, 32 up to 16, then 64 (`MAX_ALIGNMENT`).
-
-        Wider segments let a row block of 32 or 64 rows stream each weight tile once for more
-        rows (fewer re-reads through L2, larger dots) at the cost of more padding rows. Twice the
-        mean because routed counts scatter around it: with segments of the mean, about half the
-        experts spill into a second row block that streams the weights again. H200, DeepSeek-V3
-        FP8, 2026-12-02: layer (`experts="pallas"`) T=768 (24 pairs per expert) 3134 us with
-        32-row segments against 3705-3710 with 16; T=1024 (32) 4123 against 4423; T=2048 (64)
-        6270 with 64 against 6522 with 32 (BENCHMARKS.md, "Decode-size layers"). With FP8 wgmma
-        (22-23 UTC, `python -m moe_jax.cli.gemm_sweep`, GEMM1 + GEMM2): T=512 (16) 2840 us with
-        32 against 3078 with 16; T=1024 (32) 3046 with 64 against 3180 with 32.
-        """
-        pairs_per_expert = -(-problem.num_pairs // max(problem.num_experts, 1))
-        wanted = _triton.next_power_of_2(2 * pairs_per_expert)
-        return min(MAX_ALIGNMENT, max(self.alignment, wanted))
 
     def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
         if not self.interpret and problem.platform != "gpu":
@@ -498,9 +462,7 @@ class PallasGemm(grouped_gemm.GroupedGemm):
         elif problem.n % MIN_BLOCK or problem.k % MIN_BLOCK:
             return f"needs N and K multiples of {MIN_BLOCK}, got N={problem.n} K={problem.k}"
         if problem.layout == "contiguous":
-            align = problem.alignment
-            if align is None:
-                align = self.layout_alignment(problem)
+            align = problem.alignment or self.alignment
             if align % MIN_BLOCK:
                 return f"alignment {align} is not a multiple of {MIN_BLOCK} rows (one row block)"
         return None
@@ -556,4 +518,3 @@ class PallasGemm(grouped_gemm.GroupedGemm):
 
 
 grouped_gemm.GEMMS.register(PallasGemm(name="pallas", interpret=False))
-grouped_gemm.GEMMS.register(PallasGemm(name="pallas_interpret", interpret=True))

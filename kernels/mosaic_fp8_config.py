@@ -50,10 +50,8 @@ class MosaicFp8GemmConfig:
         that a pair's all-padding second block (its expert's rows end in the first; about 5.6%
         of the blocks at shape B) is not computed; False computes every block of a valid pair
         and builds no list.
-        Elsewhere the tile table skips padding blocks anyway. Opt-in: on an H100 the layer
-        with it was level with the pair order at B (0.980 against 0.982 ms) and not faster at
-        A; a list that also moved the single blocks to the end was 12 us slower per forward at
-        B on the H200 (BENCHMARKS.md, "Prefill", 2026-12-05).
+        Elsewhere the tile table skips padding blocks anyway. Opt-in: it was not faster in the
+        layer (BENCHMARKS.md).
     N must be a multiple of `tile_n`.
     """
 
@@ -106,24 +104,8 @@ class MosaicFp8GemmConfig:
         return self.max_concurrent_steps * slot + staging
 
 
-# Evidence for `heuristic_config` (H200, 2026-12-03, BENCHMARKS.md "Mosaic GPU FP8 grouped GEMM",
-# DeepSeek-V3 experts, us): with about two row blocks per expert (T=2048: 32512 layout rows for
-# 256 experts) grouping an expert's blocks in pairs takes GEMM1 from 2350 to 2004 (4 slots) and
-# GEMM2 from 1173 to 1079, the layer from 3659 to 3303; at T=4096 the layer from 5629 to 4665; at
-# about 1.5 blocks per expert (T=1024, 24320 rows) pairs are slower (GEMM2 1073 against 1007).
-# Overlapped steps (two K blocks, both wgmmas in flight), 2026-12-03 16:12-19:12 UTC session,
-# `gemm_sweep --candidates mosaic` (GEMM1 / GEMM2, overlapped with 2 steps against the previous
-# heuristic's 3 or 4 slots): T=1024 1905 / 1022 against 1986 / 1037 (one by one); T=2048,
-# chained, 1946 / 1035 against 1960 / 1050 (pairs); T=4096, chained, 2887 / 1444 against
-# 2936 / 1532 (pairs). The layer in one call (`fused_moe` with each config, two rounds, us):
-# T=768 2987 / 3012 against 3124 / 3658, T=1024 3018 / 3027 against 3140 / 3707, T=1536
-# 3039 / 3052 against 3178 / 3591, T=2048 (chained) 3278 / 3336 against 3430 / 3504, T=4096
-# (chained) 4859 / 5386 against 4967 / 5047 (this T's rounds scatter by 10%).
-# Groups of 4, same session, a later call: at T=4096 (48896 rows, about 3 blocks per expert)
-# overlapped and chained in groups of 4 GEMM1 2643 / GEMM2 1360 against 2805 / 1398 in pairs
-# (one block per step: groups of 4 2656 / 1447 against pairs 2733 / 1475); the layer 4644 / 5084
-# against 4748 / 4848 (two rounds), and at T=6144 6066 / 6053 against 6247 / 6787 (DeepGEMM
-# 6419 / 6630). At T=2048 (about 2 blocks per expert) pairs stay best.
+# The row blocks per expert from which an expert's blocks go in pairs, then in groups of 4
+# (BENCHMARKS.md "Thresholds": GROUPED_FROM_BLOCKS_PER_EXPERT, GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT).
 GROUPED_FROM_BLOCKS_PER_EXPERT = 1.5  # layout rows / (64 * E) above which blocks go in pairs
 GROUPS_OF_4_FROM_BLOCKS_PER_EXPERT = 2.5  # ... above which they go in groups of 4
 
@@ -157,7 +139,29 @@ def act_quant_heuristic_config(
     the tiles itself."""
     config = heuristic_config(num_rows=num_rows, num_experts=num_experts, k=k)
     if alignment % (2 * BLOCK_M) == 0 and config.group_blocks > 2:
-        # H200, 2026-12-04, shape B: ordered in the kernel, groups of 4 that may span two
-        # experts took 451.6 us and padding the rows to 256 copied x; pairs 444.5 us
+        # groups of 4 there would span two experts (or need 256-row segments, a copy of x)
         config = dataclasses.replace(config, group_blocks=2)
     return config
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FusedGemm1Options:
+    """The static arguments of the fused GEMM1 kernels (GEMM1 + act(gate) * up + FP8
+    quantization: `mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_contiguous`,
+    `mosaic_fp8_gather.gathered_act_quant`) and of their references.
+
+    Attributes:
+      alignment: the layout's segment multiple: of 64 rows (`BLOCK_M`), of 128 for the gathered
+        kernel (whole pairs of row blocks).
+      activation: "silu" compiled; any of `moe_jax.activation.ACTIVATIONS` in interpret mode.
+      config: tiles and order (block_n 128 and two compute warpgroups: one scale group of gate
+        and of up per tile); None: `act_quant_heuristic_config`'s.
+      num_sms: persistent programs; None: the first local device's SM count.
+      interpret: run in Mosaic GPU's interpret mode (CPU tests).
+    """
+
+    alignment: int
+    activation: str = "silu"
+    config: MosaicFp8GemmConfig | None = None
+    num_sms: int | None = None
+    interpret: bool = False

@@ -9,16 +9,14 @@ allocated.
 
 Hopper's TMA copies boxes, not lists of rows, so the memory warpgroup gathers with per-thread
 asynchronous copies (PTX `cp.async`, 16 bytes each) into the swizzled shared-memory tile the
-wgmma reads, and the row scales with 4-byte ones. (A TMA box of one row per K block lands
-right too, the hardware swizzling by address, but took the kernel 11-45% longer for any share
-of the rows: H100, 2026-12-07, BENCHMARKS.md "Prefill".) Pallas has no such copy: the `inline_mgpu`
-blocks below emit it. Everything else is `kernels.mosaic_fp8_kernel`'s kernel at `is_dense`
-(128-row segments): the same tiles in the same order, the same wgmmas, scales and epilogue
-(`kernels.mosaic_fp8_epilogue.store_act_quant`), so the codes equal the contiguous kernel's on
-the permuted rows bit for bit. Its pipeline is written out here rather than taken from Pallas'
-`emit_pipeline_warp_specialized`, whose memory warpgroup issues TMA copies only. With S weight
-slots (`MosaicFp8GemmConfig.max_concurrent_steps`), S + `extra_x_slots` row slots and P K blocks
-per step (`k_blocks_per_step`):
+wgmma reads, and the row scales with 4-byte ones (a TMA box of one row per K block was slower).
+Pallas has no such copy: the `inline_mgpu` blocks below emit it. Everything else is
+`kernels.mosaic_fp8_kernel`'s kernel at `is_dense` (128-row segments): the same tiles in the
+same order, the same wgmmas, scales and epilogue (`kernels.mosaic_fp8_epilogue.store_act_quant`),
+so the codes equal the contiguous kernel's on the permuted rows bit for bit. Its pipeline is
+written out here rather than taken from Pallas' `emit_pipeline_warp_specialized`, whose memory
+warpgroup issues TMA copies only. With S weight slots (`MosaicFp8GemmConfig.max_concurrent_steps`),
+S + `extra_x_slots` row slots and P K blocks per step (`k_blocks_per_step`):
 
     memory warpgroup (all 128 threads), over this SM's tiles and their K steps g = 0, 1, ...:
         wait until the compute warpgroups release row slot g % S_x (step g - S_x)
@@ -32,27 +30,7 @@ per step (`k_blocks_per_step`):
     a proxy fence for the rows the cp.asyncs wrote, the wgmmas and their scaling, release
     both slots), then the epilogue.
 
-Measured (H100 only, shape B, BENCHMARKS.md "Prefill"). In the layer (2026-12-06 09:43-12:43
-UTC, `kernel_gaps`): the kernel takes 503.6 us per forward against 460.6 for the contiguous
-kernel on permuted rows, which the permute's 63.4 us copy feeds, so the forward's device time is
-913.0 us against 935.0 (2.4% less; `bench` 0.949 / 0.963 ms against 0.974 / 0.997). Alone, over
-eight alternating rounds each (medians): the memory warpgroup waiting for its own copies of step
-g - 1 (`cp.async.wait_group 1`) and arriving itself, the first form, took 574.2 us against
-561.7 with the hardware's arrival, which was faster in every round (1.8-5.3%); two steps of
-copies pending before that wait, 702 us (the arrival then also waits for the release of the
-slot before). The row scales loaded by TMA from a copy in the layout's order (XLA's gather
-included) and the consumer's proxy fence left out each changed it by under 1% (566.9 and
-566.1 against 570.7, contiguous 525.8): neither is where the gap is. Reading the rows in the
-layout's order from a permuted copy took the first form about 30 us less than reading them from
-the tokens; an L2 prefetch of the next tile's rows (`cp.async.bulk.prefetch.L2`) made it 70 us
-slower, and an L2 evict-last policy on the tokens' copies (`createpolicy`, three forms) stopped
-it with an illegal instruction (not investigated). Nor is the memory warpgroup's wait for the
-rows' token indices (2026-12-06 13:09-16:09 UTC, the layer's front half alone at B, eight
-alternating rounds, medians): a thread's 5 distinct indices loaded together before its first
-copy, in place of the 9 loads a step issued each beside its copy, took 593.9 us against 596.9
-(level: faster in 4 of 8 rounds); and a per-line L2 prefetch (`prefetch.global.L2`) of the
-tile's rows 1 or 2 steps ahead made it 1.5% and 3.4% slower (606.0, 617.9; permute + contiguous
-kernel 619.0 in the same rounds). Neither was kept.
+What was measured and tried (other copy schemes, prefetches, waits) is in BENCHMARKS.md.
 
 Compiled only: Mosaic GPU's interpret mode runs no inline PTX. The CPU tests run its reference,
 `gathered_act_quant_reference` (the rows gathered by XLA, then the contiguous kernel, which has
@@ -61,12 +39,14 @@ an interpret mode), and the GPU tests hold the kernel to that reference bit for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax import layouts, quant
+from moe_jax.fused_gemm1 import gather_rows
 from moe_jax.kernels import mosaic_fp8_tiles
 from moe_jax.kernels.mosaic_fp8_config import (
     BLOCK_K,
@@ -74,24 +54,21 @@ from moe_jax.kernels.mosaic_fp8_config import (
     SCALE_BLOCK,
     SMEM_LIMIT,
     SWIZZLE,
+    FusedGemm1Options,
     MosaicFp8GemmConfig,
 )
 from moe_jax.kernels.mosaic_fp8_epilogue import store_act_quant
 from moe_jax.kernels.mosaic_fp8_kernel import MEMORY_REGISTERS
 
 # Registers per thread left to the memory warpgroup, as `kernels.mosaic_fp8_kernel` leaves its
-# TMA-only one: 16 more (and 8 fewer for the compute warpgroups) took 20-30 us more at shape B
-# (H100, 2026-12-06)
+# TMA-only one (more were slower)
 GATHER_REGISTERS = MEMORY_REGISTERS
 # what Pallas' warp-specialised pipeline gives each of two compute warpgroups beside it: the
 # register file's 512 per thread of one warpgroup, less the memory warpgroup's, halved, in 8s
 COMPUTE_REGISTERS = min(256, (512 - GATHER_REGISTERS) // 2) // 8 * 8
 # x tiles in flight beyond the config's pipeline slots (which the weight tiles keep), where
 # shared memory has room (`extra_x_slots`): a gather is then issued a step before its weight
-# tile, as the slot it fills is released a step earlier. At shape B (16 KB a slot) the kernel
-# alone took 561-572 us with it against 591-593 without (H100, 2026-12-06, three rounds each).
-# Deeper row pipelines, made room for by one K block a step, were 4-13% slower there (4-8 row
-# slots; H100, 2026-12-07, BENCHMARKS.md "Prefill")
+# tile, as the slot it fills is released a step earlier (deeper row pipelines were slower)
 X_EXTRA_SLOTS = 1
 CHUNK = 16  # bytes per cp.async of a row: the widest it copies
 THREADS = 128  # one warpgroup
@@ -386,8 +363,7 @@ def _gather(x_gmem, xs_gmem, sources, x_slot, xs_slot, first_k_block):
     number of them, else 1) of the block's 64 rows: 64 P pieces of 128 bytes, each one row's K
     block. Each copy instruction of the warpgroup takes 16 pieces, 8 threads a piece, thread t
     its 16-byte chunk t % 8, so that a warp reads four whole 128-byte lines (one chunk per
-    thread and row, the first form, read each line in halves at twice the traffic: 755-780 us
-    against 522-540 for the kernel on permuted rows, H100 2026-12-06). The chunk lands where
+    thread and row read each line in halves at twice the traffic). The chunk lands where
     the (8, 128)-tiled, 128-byte-swizzled tile keeps it. Thread t also copies the scale of row
     t % 64 in K block t // 64. Rows whose source is -1 (padding) are left as they are.
     """
@@ -516,11 +492,7 @@ def gathered_act_quant(
     *,
     x_scales: jax.Array,
     w1_scales: jax.Array,
-    alignment: int,
-    activation: str = "silu",
-    config: MosaicFp8GemmConfig | None = None,
-    num_sms: int | None = None,
-    interpret: bool = False,
+    options: FusedGemm1Options,
 ) -> tuple[jax.Array, jax.Array]:
     """GEMM1, act(gate) * up and its FP8 quantization on the contiguous layout's rows, read
     from the tokens (module docstring): `mosaic_fp8_gemm_act_quant_contiguous` of the rows
@@ -534,11 +506,10 @@ def gathered_act_quant(
         (`moe_jax.layouts.RoutingMetadata.source`).
       x_scales: float32[T, H/128] the tokens' row-group scales.
       w1_scales: float32[E, 2I/128, H/128] block scales.
-      alignment: the segments' row multiple, a multiple of 128 (whole pairs of row blocks).
-      activation, config, num_sms: as `mosaic_fp8_gemm_act_quant_contiguous` takes them
-        (`config` with groups of at most 2 blocks, no `skips_padding_blocks`).
-      interpret: run `gathered_act_quant_reference` instead (the rows gathered by XLA, then the
-        contiguous kernel in Mosaic GPU's interpret mode): this kernel has no interpret mode.
+      options: as `mosaic_fp8_gemm_act_quant_contiguous` takes them, with `alignment` a multiple
+        of 128 (whole pairs of row blocks) and a `config` of groups of at most 2 blocks and no
+        `skips_padding_blocks`; with `interpret` it runs `gathered_act_quant_reference` (this
+        kernel has no interpret mode).
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I/128]), the scales written as [I/128, M] in
@@ -546,21 +517,12 @@ def gathered_act_quant(
     """
     from moe_jax.kernels import mosaic_fp8_gemm
 
-    _check_gathered(x_tokens, expert_ids, row_sources, x_scales, alignment)
+    _check_gathered(x_tokens, expert_ids, row_sources, x_scales, options.alignment)
     num_rows = row_sources.shape[0]
     rows_type = jax.ShapeDtypeStruct((num_rows, x_tokens.shape[1]), x_tokens.dtype)
     scales_type = jax.ShapeDtypeStruct((num_rows, x_scales.shape[1]), x_scales.dtype)
     config = mosaic_fp8_gemm.check_act_quant_operands(
-        rows_type,
-        w1,
-        expert_ids,
-        scales_type,
-        w1_scales,
-        alignment,
-        activation,
-        config,
-        num_sms,
-        interpret,
+        rows_type, w1, expert_ids, scales_type, w1_scales, options
     )
     if config.group_blocks > 2 or config.skips_padding_blocks:
         raise ValueError(
@@ -569,8 +531,9 @@ def gathered_act_quant(
         )
     num_experts, two_i, k = w1.shape
     inter = two_i // 2
-    if interpret or min(num_rows, inter, k, x_tokens.shape[0]) == 0:
+    if options.interpret or min(num_rows, inter, k, x_tokens.shape[0]) == 0:
         # interpret mode runs no inline PTX; with nothing to gather or sum, no kernel is needed
+        options = dataclasses.replace(options, config=config)
         return gathered_act_quant_reference(
             x_tokens,
             w1,
@@ -578,11 +541,7 @@ def gathered_act_quant(
             row_sources,
             x_scales=x_scales,
             w1_scales=w1_scales,
-            alignment=alignment,
-            activation=activation,
-            config=config,
-            num_sms=num_sms,
-            interpret=interpret,
+            options=options,
         )
     q, scales_t = launch_gathered(
         x_tokens,
@@ -593,8 +552,8 @@ def gathered_act_quant(
         w1_scales,
         n=inter,
         config=config,
-        num_sms=num_sms,
-        activation=activation,
+        num_sms=options.num_sms,
+        activation=options.activation,
     )
     return q[:num_rows], scales_t[:, :num_rows].T
 
@@ -607,37 +566,17 @@ def gathered_act_quant_reference(
     *,
     x_scales: jax.Array,
     w1_scales: jax.Array,
-    alignment: int,
-    activation: str = "silu",
-    config: MosaicFp8GemmConfig | None = None,
-    num_sms: int | None = None,
-    interpret: bool = False,
+    options: FusedGemm1Options,
 ) -> tuple[jax.Array, jax.Array]:
-    """`gathered_act_quant` (same arguments) as XLA's gather of the rows (padding rows read
-    token 0; every row is zeros without tokens) followed by
-    `mosaic_fp8_gemm_act_quant_contiguous` (in interpret mode with `interpret`), which returns
-    without a kernel where there is nothing to compute."""
+    """`gathered_act_quant` (same arguments) as XLA's gather of the rows
+    (`moe_jax.fused_gemm1.gather_rows`) followed by `mosaic_fp8_gemm_act_quant_contiguous`
+    (in interpret mode with `options.interpret`), which returns without a kernel where there is
+    nothing to compute."""
     from moe_jax.kernels import mosaic_fp8_gemm
 
-    num_rows = row_sources.shape[0]
-    if x_tokens.shape[0] == 0:  # no tokens: every row is padding
-        rows = jnp.zeros((num_rows, x_tokens.shape[1]), x_tokens.dtype)
-        row_scales = jnp.zeros((num_rows, x_scales.shape[1]), jnp.float32)
-    else:
-        sources = jnp.maximum(layouts.ids_as_int32(row_sources), 0)
-        rows = jnp.take(x_tokens, sources, axis=0, mode="clip")
-        row_scales = jnp.take(x_scales, sources, axis=0, mode="clip")
+    rows, row_scales = gather_rows(x_tokens, x_scales, row_sources)
     return mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_contiguous(
-        rows,
-        w1,
-        expert_ids,
-        x_scales=row_scales,
-        w1_scales=w1_scales,
-        alignment=alignment,
-        activation=activation,
-        config=config,
-        num_sms=num_sms,
-        interpret=interpret,
+        rows, w1, expert_ids, x_scales=row_scales, w1_scales=w1_scales, options=options
     )
 
 
@@ -742,7 +681,7 @@ def _fence_rows_for_async_proxy(smem_ref) -> None:
     """A proxy fence after the wait for a row slot: the cp.async copies wrote it through the
     generic proxy, the wgmma reads it through the async one. `smem_ref` only anchors the op:
     an `inline_mgpu` block without operands was dropped from the kernel (the earlier wait for
-    the copies, 2026-12-06: the wgmma then raced them), so every block here takes a ref."""
+    the copies: the wgmma then raced them), so every block here takes a ref."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     transforms = (plgpu.TilingTransform((8, SWIZZLE)), plgpu.SwizzleTransform(SWIZZLE))

@@ -15,7 +15,8 @@ persistent, warp-specialised, block-scaled. Its parts, one module each:
 This module holds the fronts that check operands and run the kernel,
 `mosaic_fp8_gemm_contiguous` and `mosaic_fp8_gemm_act_quant_contiguous` (GEMM1 with vLLM's
 act(gate) * up and the FP8 requantization for GEMM2 in the epilogue: only FP8 codes and their
-scales leave the chip), the latter's pure-JAX reference, and the `MosaicFp8Gemm` backend.
+scales leave the chip), the latter's pure-JAX reference, the `MosaicFp8Gemm` GEMM backend and
+the `MosaicFp8FusedGemm1` fused GEMM1 backends (`moe_jax.fused_gemm1`).
 Interpret mode (`interpret=True`) runs the same kernel on Mosaic GPU's interpreter (CPU tests).
 Padding rows of the output are unspecified, as the `GroupedGemm` contract allows.
 """
@@ -26,14 +27,16 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
+from moe_jax.act_quant import COMPILED_ACTIVATIONS
 from moe_jax.activation import check_activation
+from moe_jax.fused_gemm1 import FUSED_GEMM1S, FusedGemm1, FusedGemm1Problem, fused_gemm1_reference
 from moe_jax.kernels import grouped_gemm as gemm_kernels
 from moe_jax.kernels import mosaic_fp8_gather, mosaic_fp8_tiles
-from moe_jax.kernels.act_quant import COMPILED_ACTIVATIONS
 from moe_jax.kernels.mosaic_fp8_config import (
     BLOCK_M,
     SCALE_BLOCK,
     SMEM_LIMIT,
+    FusedGemm1Options,
     MosaicFp8GemmConfig,
     act_quant_heuristic_config,
     heuristic_config,
@@ -110,11 +113,7 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     *,
     x_scales: jax.Array,
     w1_scales: jax.Array,
-    alignment: int,
-    activation: str = "silu",
-    config: MosaicFp8GemmConfig | None = None,
-    num_sms: int | None = None,
-    interpret: bool = False,
+    options: FusedGemm1Options,
 ) -> tuple[jax.Array, jax.Array]:
     """GEMM1, act(gate) * up and its FP8 quantization in one kernel, on the contiguous layout.
 
@@ -128,33 +127,25 @@ def mosaic_fp8_gemm_act_quant_contiguous(
     boundary; interpret mode is the reference's arithmetic.
 
     Args:
-      x: float8_e4m3fn [M, H], rows sorted by expert in segments padded to `alignment` rows,
-        one after another from row 0 and the unused rows after them (the contiguous layout).
-        With `alignment` a multiple of 128 the kernel orders its tiles itself
-        (`kernels.mosaic_fp8_kernel`'s `is_dense`; the heuristic's groups of 4 become pairs):
-        about 30 us of XLA ops fewer at shape B on the H200. Other configs with groups of 4
-        build the XLA tile table.
+      x: float8_e4m3fn [M, H], rows sorted by expert in segments padded to `options.alignment`
+        rows, one after another from row 0 and the unused rows after them (the contiguous
+        layout). On segments of 128 rows the kernel orders its tiles itself
+        (`kernels.mosaic_fp8_kernel`'s `is_dense`; the heuristic's groups of 4 become pairs);
+        other configs with groups of 4 build the XLA tile table.
       w1: float8_e4m3fn [E, 2I, H]: gate rows, then up rows; I a multiple of 128.
       expert_ids: int32[M] expert of each row, -1 on padding rows (ids outside [0, E) too).
       x_scales: float32[M, H/128] row-group scales.
       w1_scales: float32[E, 2I/128, H/128] block scales.
-      alignment: the segments' row multiple, a multiple of 64 (`BLOCK_M`).
-      activation: "silu" on the GPU; any of `moe_jax.activation.ACTIVATIONS` in interpret mode.
-      config: tiles and order (block_n 128 and two compute warpgroups: one scale group of gate
-        and of up per tile); None takes `heuristic_config`'s.
-      num_sms: persistent programs; None: the first local device's SM count.
-      interpret: run in Mosaic GPU's interpret mode (CPU tests).
+      options: alignment, activation, tiles, SM count and interpret mode (`FusedGemm1Options`).
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I/128]); the scales are written as
       [I/128, M] in memory (what a group-major GEMM2 reads, `is_scales_group_major`) and
       returned as their transpose. Padding rows are unspecified.
     """
-    config = check_act_quant_operands(
-        x, w1, expert_ids, x_scales, w1_scales, alignment, activation, config, num_sms, interpret
-    )
+    config = check_act_quant_operands(x, w1, expert_ids, x_scales, w1_scales, options)
     # no tile table (the kernel's `is_dense`) for pairs or single blocks on 128-row segments
-    is_dense = alignment % (2 * BLOCK_M) == 0 and config.group_blocks <= 2
+    is_dense = options.alignment % (2 * BLOCK_M) == 0 and config.group_blocks <= 2
     num_rows = x.shape[0]
     num_experts, two_i, k = w1.shape
     inter = two_i // 2  # a multiple of 128: 2I is a multiple of the 256-column tile (checked)
@@ -168,7 +159,7 @@ def mosaic_fp8_gemm_act_quant_contiguous(
         from moe_jax.act_quant import act_and_quant_reference
 
         return act_and_quant_reference(
-            jnp.zeros((num_rows, two_i), jnp.bfloat16), activation=activation
+            jnp.zeros((num_rows, two_i), jnp.bfloat16), activation=options.activation
         )
     padded_rows = mosaic_fp8_tiles.padded_rows(num_rows, is_dense=is_dense)
     q, scales_t = launch(
@@ -185,42 +176,41 @@ def mosaic_fp8_gemm_act_quant_contiguous(
         ),
         out_dtype=jnp.dtype(jnp.bfloat16),
         config=config,
-        num_sms=num_sms,
-        interpret=interpret,
-        activation=activation,
+        num_sms=options.num_sms,
+        interpret=options.interpret,
+        activation=options.activation,
         is_dense=is_dense,
     )
     return q[:num_rows], scales_t[:, :num_rows].T
 
 
 def check_act_quant_operands(
-    x, w1, expert_ids, x_scales, w1_scales, alignment, activation, config, num_sms, interpret
+    x, w1, expert_ids, x_scales, w1_scales, options: FusedGemm1Options
 ) -> MosaicFp8GemmConfig:
     """`mosaic_fp8_gemm_act_quant_contiguous`'s checks (x and x_scales may be shapes only),
     naming the argument at fault; returns the config to run (`act_quant_heuristic_config`'s
-    where `config` is None)."""
-    check_activation(activation)
-    if not interpret and activation not in COMPILED_ACTIVATIONS:
+    where `options.config` is None)."""
+    check_activation(options.activation)
+    if not options.interpret and options.activation not in COMPILED_ACTIVATIONS:
         raise NotImplementedError(
-            f"activation {activation!r} has no compiled fused epilogue; use one of "
+            f"activation {options.activation!r} has no compiled fused epilogue; use one of "
             f"{COMPILED_ACTIVATIONS} or GEMM1 and act_and_quant apart"
         )
     grouped_gemm.check_contiguous_operands(x, w1, expert_ids, x_scales, w1_scales)  # ranks first
-    if config is None:
-        config = act_quant_heuristic_config(
-            num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1], alignment=alignment
-        )
+    config = options.config or act_quant_heuristic_config(
+        num_rows=x.shape[0], num_experts=w1.shape[0], k=x.shape[1], alignment=options.alignment
+    )
     _check_operands(
         x,
         w1,
         expert_ids,
         x_scales,
         w1_scales,
-        alignment,
+        options.alignment,
         config,
         jnp.bfloat16,
         is_gated=True,
-        num_sms=num_sms,
+        num_sms=options.num_sms,
     )
     if config.block_n != SCALE_BLOCK or config.num_compute_wgs != 2:
         raise ValueError(
@@ -237,30 +227,19 @@ def mosaic_fp8_gemm_act_quant_reference(
     *,
     x_scales: jax.Array,
     w1_scales: jax.Array,
-    alignment: int,
-    activation: str = "silu",
-    config: MosaicFp8GemmConfig | None = None,
-    num_sms: int | None = None,
-    interpret: bool = False,
+    options: FusedGemm1Options,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-JAX `mosaic_fp8_gemm_act_quant_contiguous` (same arguments; the tiling ones are
-    ignored): XLA's grouped GEMM on the dequantized operands rounded to bf16 (GEMM1's output),
-    then `moe_jax.act_quant.act_and_quant_reference`. Padding rows come out as the quantized
-    zeros."""
-    from moe_jax.act_quant import act_and_quant_reference
-
-    del config, num_sms, interpret
-    h = grouped_gemm.GEMMS.get("xla").contiguous(
+    """Pure-JAX `mosaic_fp8_gemm_act_quant_contiguous` (the tiling options are ignored): the
+    fused GEMM1's XLA reference (`moe_jax.fused_gemm1.fused_gemm1_reference`)."""
+    return fused_gemm1_reference(
         x,
         w1,
         expert_ids,
-        None,
         x_scales=x_scales,
-        w_scales=w1_scales,
-        alignment=alignment,
-        out_dtype=jnp.bfloat16,
+        w1_scales=w1_scales,
+        alignment=options.alignment,
+        activation=options.activation,
     )
-    return act_and_quant_reference(h, activation=activation)
 
 
 def _check_operands(
@@ -300,49 +279,40 @@ def _compute_capability() -> str | None:
         return None
 
 
+def _hopper_reason(platform: str, interpret: bool) -> str | None:
+    """Why the compiled kernels cannot run on `platform` (None: interpret mode, or Hopper)."""
+    if interpret:
+        return None
+    if platform != "gpu":
+        return f"Mosaic GPU kernels need an NVIDIA Hopper GPU, not {platform!r}"
+    capability = _compute_capability()
+    if capability is not None and capability != HOPPER:
+        return f"Hopper's wgmma needs compute capability {HOPPER}, this GPU has {capability}"
+    return None
+
+
 class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
     """GEMM backend running `mosaic_fp8_gemm_contiguous` (Hopper GPUs; FP8 only).
-
-    With `gathers_rows` ("mosaic_fp8_gathered"), its fused GEMM1 reads the layout's rows from
-    the tokens (`gathered_act_quant`, `kernels.mosaic_fp8_gather`): the layer then skips the
-    permute's row copy (`moe_jax.experts.GemmPair.gathers_rows`). Its plain GEMMs are
-    "mosaic_fp8"'s.
 
     The contiguous layout it asks for pads each expert's segment to 64 rows (`BLOCK_M`), so
     every row block belongs to one expert. The masked layout runs on the same kernel: each
     expert's block of max_m rows, padded to 64, is a segment; blocks past the counts are skipped.
     Without a `config` each call takes `heuristic_config`'s for its layout (on the masked layout,
     for `expected_m` rows per expert when given). `interpret=True` runs the kernel in Mosaic
-    GPU's interpret mode on any platform (registered as "mosaic_fp8_interpret" for CPU tests and
-    the sanitizer driver's twin; "auto" never picks it).
+    GPU's interpret mode on any platform (the tests register it as "mosaic_fp8_interpret").
     """
 
+    alignment = BLOCK_M
     is_scales_group_major = True  # the kernel reads them as [K/128, M]
 
-    def __init__(
-        self,
-        config: MosaicFp8GemmConfig | None = None,
-        *,
-        interpret: bool = False,
-        gathers_rows: bool = False,
-    ):
+    def __init__(self, config: MosaicFp8GemmConfig | None = None, *, interpret: bool = False):
         self.config = config  # None: `heuristic_config` per call
         self.interpret = interpret
-        self.gathers_rows = gathers_rows
-        self.name = "mosaic_fp8" + ("_gathered" if gathers_rows else "")
-        self.name += "_interpret" if interpret else ""
-
-    def layout_alignment(self, problem: grouped_gemm.GemmProblem) -> int:
-        """`BLOCK_M` (64) for every problem: the smallest segment multiple at which none of
-        the kernel's row tiles spans two experts."""
-        return BLOCK_M
+        self.name = "mosaic_fp8" + ("_interpret" if interpret else "")
 
     def unsupported_reason(self, problem: grouped_gemm.GemmProblem) -> str | None:
-        if not self.interpret and problem.platform != "gpu":
-            return f"Mosaic GPU kernels need an NVIDIA Hopper GPU, not {problem.platform!r}"
-        capability = None if self.interpret else _compute_capability()
-        if capability is not None and capability != HOPPER:
-            return f"Hopper's wgmma needs compute capability {HOPPER}, this GPU has {capability}"
+        if (why := _hopper_reason(problem.platform, self.interpret)) is not None:
+            return why
         if problem.x_dtype != "float8_e4m3fn" or problem.w_dtype != "float8_e4m3fn":
             return f"FP8 operands only, got x {problem.x_dtype} and w {problem.w_dtype}"
         if problem.layout not in grouped_gemm.LAYOUTS:
@@ -357,17 +327,6 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         alignment = problem.alignment
         if problem.layout == "contiguous" and alignment is not None and alignment % BLOCK_M:
             return f"alignment {alignment} is not a multiple of {BLOCK_M} rows"
-        if self.gathers_rows and not self.interpret and not mosaic_fp8_gather.has_inline_ptx():
-            return (
-                f"the gathered GEMM1 is written in inline PTX, which Mosaic GPU emits from jax "
-                f"0.11 (this is jax {jax.__version__}): upgrade jax, or take the contiguous "
-                "fused GEMM1 (fused_act_quant='mosaic_fp8')"
-            )
-        if self.gathers_rows and (alignment is None or alignment % (2 * BLOCK_M)):
-            return (
-                f"the gathered GEMM1 takes segments of whole {2 * BLOCK_M}-row pairs, not "
-                f"alignment {alignment} (ContiguousExperts(alignment={2 * BLOCK_M}) sets them)"
-            )
         return None
 
     def _run(self, x, w, expert_ids, x_scales, w_scales, alignment, out_dtype, config=None):
@@ -391,51 +350,6 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         del expert_ends  # each row block's expert comes from expert_ids
         return self._run(x, w, expert_ids, x_scales, w_scales, alignment, out_dtype)
 
-    def contiguous_act_quant(
-        self, x, w1, expert_ids, *, x_scales, w1_scales, alignment, activation
-    ) -> tuple[jax.Array, jax.Array]:
-        """GEMM1, act(gate) * up and its FP8 quantization as one kernel
-        (`mosaic_fp8_gemm_act_quant_contiguous`): (float8_e4m3fn[M, I], float32[M, I/128]).
-        Forward only: differentiating it raises TypeError (FP8 weights are an inference
-        checkpoint, as for `moe_jax.act_quant.act_and_quant`)."""
-        from moe_jax.act_quant import without_gradient
-
-        return without_gradient(
-            lambda rows: mosaic_fp8_gemm_act_quant_contiguous(
-                rows,
-                w1,
-                expert_ids,
-                x_scales=x_scales,
-                w1_scales=w1_scales,
-                alignment=alignment,
-                activation=activation,
-                config=self.config,
-                interpret=self.interpret,
-            )
-        )(x)
-
-    def gathered_act_quant(
-        self, x_tokens, w1, expert_ids, row_sources, *, x_scales, w1_scales, alignment, activation
-    ) -> tuple[jax.Array, jax.Array]:
-        """`contiguous_act_quant` of the layout's rows `x_tokens[row_sources]`, read from the
-        tokens by the kernel (`kernels.mosaic_fp8_gather.gathered_act_quant`); forward only."""
-        from moe_jax.act_quant import without_gradient
-
-        return without_gradient(
-            lambda tokens: mosaic_fp8_gather.gathered_act_quant(
-                tokens,
-                w1,
-                expert_ids,
-                row_sources,
-                x_scales=x_scales,
-                w1_scales=w1_scales,
-                alignment=alignment,
-                activation=activation,
-                config=self.config,
-                interpret=self.interpret,
-            )
-        )(x_tokens)
-
     def masked(
         self, x, w, num_rows_per_expert, *, x_scales=None, w_scales=None, expected_m=None, out_dtype
     ):
@@ -453,7 +367,72 @@ class MosaicFp8Gemm(grouped_gemm.GroupedGemm):
         return y.reshape(num_experts, rows_per_block, -1)[:, :max_m]
 
 
+class MosaicFp8FusedGemm1(FusedGemm1):
+    """Fused GEMM1 backend (`moe_jax.fused_gemm1`): `mosaic_fp8_gemm_act_quant_contiguous`, or
+    with `gathers_rows` ("mosaic_fp8_gathered") `kernels.mosaic_fp8_gather.gathered_act_quant`,
+    which reads the layout's rows from the tokens (segments of whole 128-row pairs; compiled
+    from jax 0.11). Hopper GPUs, FP8; `interpret=True` runs on any platform (the tests register
+    those as "..._interpret")."""
+
+    is_scales_group_major = True  # the contiguous kernel reads the rows' scales as [H/128, M]
+
+    def __init__(
+        self,
+        config: MosaicFp8GemmConfig | None = None,
+        *,
+        interpret: bool = False,
+        gathers_rows: bool = False,
+    ):
+        self.config = config  # None: `act_quant_heuristic_config` per call
+        self.interpret = interpret
+        self.gathers_rows = gathers_rows
+        self.name = "mosaic_fp8" + ("_gathered" if gathers_rows else "")
+        self.name += "_interpret" if interpret else ""
+
+    def backend_reason(self, problem: FusedGemm1Problem) -> str | None:
+        gemm = problem.gemm
+        if (why := _hopper_reason(gemm.platform, self.interpret)) is not None:
+            return why
+        if not self.interpret and problem.activation not in COMPILED_ACTIVATIONS:
+            return (
+                f"the compiled epilogue lowers {COMPILED_ACTIVATIONS}, not {problem.activation!r}"
+            )
+        tile_n = 2 * SCALE_BLOCK  # the epilogue's tile: 128 gate and 128 up columns
+        if gemm.n % tile_n:
+            return f"needs 2I a multiple of {tile_n}, got {gemm.n}"
+        multiple = 2 * BLOCK_M if self.gathers_rows else BLOCK_M
+        if gemm.alignment is None or gemm.alignment % multiple:
+            return f"takes segments of whole {multiple}-row blocks, not alignment {gemm.alignment}"
+        if self.gathers_rows and not self.interpret and not mosaic_fp8_gather.has_inline_ptx():
+            return (
+                f"the gathered GEMM1 is written in inline PTX, which Mosaic GPU emits from jax "
+                f"0.11 (this is jax {jax.__version__}): upgrade jax, or take the contiguous "
+                "fused GEMM1 (fused_act_quant='mosaic_fp8')"
+            )
+        return None
+
+    def run(self, x, w1, expert_ids, row_sources, *, x_scales, w1_scales, alignment, activation):
+        options = FusedGemm1Options(
+            alignment=alignment,
+            activation=activation,
+            config=self.config,
+            interpret=self.interpret,
+        )
+        if self.gathers_rows:
+            return mosaic_fp8_gather.gathered_act_quant(
+                x,
+                w1,
+                expert_ids,
+                row_sources,
+                x_scales=x_scales,
+                w1_scales=w1_scales,
+                options=options,
+            )
+        return mosaic_fp8_gemm_act_quant_contiguous(
+            x, w1, expert_ids, x_scales=x_scales, w1_scales=w1_scales, options=options
+        )
+
+
 grouped_gemm.GEMMS.register(MosaicFp8Gemm())
-grouped_gemm.GEMMS.register(MosaicFp8Gemm(interpret=True))
-grouped_gemm.GEMMS.register(MosaicFp8Gemm(gathers_rows=True))
-grouped_gemm.GEMMS.register(MosaicFp8Gemm(interpret=True, gathers_rows=True))
+FUSED_GEMM1S.register(MosaicFp8FusedGemm1())
+FUSED_GEMM1S.register(MosaicFp8FusedGemm1(gathers_rows=True))

@@ -32,11 +32,7 @@ contiguous layout with vLLM's 128x128 block scales, built the way DeepGEMM's is:
   each pipeline step carries two K blocks and a compute warpgroup puts both wgmmas in flight
   (two accumulators) before it scales the first, so the scaling of one block runs beside the
   next block's wgmma instead of after it.
-  On the H200 the kernel's time did not follow its loaded bytes (128-row tiles that load 40% fewer
-  bytes per product but run two wgmma-wait-scale chains per warpgroup per K block took twice as
-  long; BENCHMARKS.md, 2026-12-03 13:42-16:42 UTC): this targets that chain, and takes 1-6%
-  off each GEMM at T=1024-4096 (DeepSeek-V3 experts; the evidence beside
-  `mosaic_fp8_config.heuristic_config`).
+  The kernel's time follows that wgmma-wait-scale chain more than its loaded bytes.
 
 With `activation`, each tile is 128 gate and the same 128 up columns of GEMM1 (one per compute
 warpgroup) and its epilogue, `kernels.mosaic_fp8_epilogue.store_act_quant`, writes act(gate) * up

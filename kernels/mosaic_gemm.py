@@ -1,10 +1,9 @@
 """Grouped-GEMM backend "mosaic": JAX's own Mosaic GPU `ragged_dot` kernel (bf16/f16, Hopper).
 
 The bf16 fast path when DeepGEMM and torch are both unavailable. It wraps
-`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`, which reached 449 TFLOPS on an H200
-for 64 groups, M=32768, K=2048, N=1536 with the default config below, against 12 for
-`jax.lax.ragged_dot` (measured while designing moe_jax, 2026-11; in the whole layer see
-BENCHMARKS.md). The contiguous layout's padded segments are its
+`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (far faster than
+`jax.lax.ragged_dot`, a masked dense product on GPUs; BENCHMARKS.md). The contiguous layout's
+padded segments are its
 groups; padding rows are computed (zeros in, zeros out) and rows past the last segment are left
 unspecified, as the GroupedGemm contract allows.
 """

@@ -3,8 +3,8 @@
 dw[e] = dy_e^T x_e over each expert's contiguous rows, [E, N, K], written by XLA-side kernels (no
 torch round trip, no copy of the result). The layout's padded segments are the groups (padding
 rows are zero). The kernel skips empty groups without writing them, so those experts are zeroed
-afterwards (one pass over dw). Named only (`ContiguousExperts(wgrad="mosaic")`); "auto" keeps the
-torch wgrad until the two are compared on the H200 (BENCHMARKS.md).
+afterwards (one pass over dw). Named only (`ContiguousExperts(wgrad="mosaic")`): "auto" does
+not take it (`moe_jax.plan.wgrad_order`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from moe_jax import grouped_gemm, grouped_gemm_backward
 class MosaicWgradConfig:
     """Tile sizes of `transposed_ragged_dot_mgpu.transposed_ragged_dot` (names as there).
 
-    The defaults are the fastest of `python -m moe_jax.cli.wgrad_bench --sweep` at shape B on
-    the H200 (2026-12-01, BENCHMARKS.md): 4 concurrent steps instead of 2 took GEMM1's wgrad
-    from 2.15 to 1.51 ms and GEMM2's from 1.11 to 0.79 ms; block_n 256 was 2-3x slower.
+    The defaults are the fastest of `benchmarks/wgrad_bench.py --sweep` at shape B
+    (BENCHMARKS.md).
     """
 
     block_m: int = 128

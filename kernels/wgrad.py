@@ -1,11 +1,10 @@
-"""Pallas GPU grouped weight gradient: `WGRADS` implementations "pallas" (+ "pallas_interpret").
+"""Pallas GPU grouped weight gradient: the `WGRADS` implementation "pallas".
 
 dw[e] = dy_e^T x_e over expert e's rows of the contiguous layout, [E, N, K], accumulated in
 float32 and written straight into the output XLA allocated (the torch wgrad returns a new tensor
-that the bridge must copy: 0.68 ms per step at shape B on the H200, BENCHMARKS.md). The segment
-of expert e is rows [ends[e-1], ends[e]) (ends[-1] = 0), a multiple of the layout's alignment, so
-it splits into whole `block_m`-row steps; padding rows inside a segment are zero, as
-`grouped_wgrad` guarantees. One program owns one [block_n, block_k] tile of one expert's dw:
+that the bridge must copy). The segment of expert e is rows [ends[e-1], ends[e]) (ends[-1] = 0),
+a multiple of the layout's alignment, so it splits into whole `block_m`-row steps; padding rows
+inside a segment are zero, as `grouped_wgrad` guarantees. One program owns one [block_n, block_k] tile of one expert's dw:
 
     grid = (K / block_k, N / block_n, E)        fastest first: programs of one expert and one
                                                  dy column tile run together and share it in L2
@@ -39,9 +38,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 class WgradConfig:
     """Tiles of the wgrad kernel: powers of two >= 16 (block_m must divide the alignment).
 
-    The defaults are the fastest of the H200 sweep at shape B (`python -m moe_jax.cli.wgrad_bench
-    --sweep`, 2026-12-01): 0.89 / 0.47 ms for the two wgrads, against 0.94 / 0.49 with
-    block_k 128 and 1.16 / 0.61 with block_m 128.
+    The defaults are the fastest of `benchmarks/wgrad_bench.py --sweep` at shape B
+    (BENCHMARKS.md).
 
     Attributes:
       block_m: rows (tokens) summed per loop step.

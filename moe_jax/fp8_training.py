@@ -4,7 +4,7 @@ Master weights stay in bf16/float32; each step quantizes them on the fly. Per GE
 `y[row] = x[row] @ w[expert(row)].T` ([M, K] x [E, N, K] -> [M, N], contiguous layout):
 
 - forward: x quantized in 1x128 groups (`moe_jax.act_quant.group_quant`), w in 128x128 blocks
-  (`moe_jax.quant.per_block_quant_fp8`), one FP8 grouped GEMM (DeepGEMM on the H200), bf16 out.
+  (`moe_jax.quant.per_block_quant_fp8`), one FP8 grouped GEMM (DeepGEMM on a Hopper GPU), bf16 out.
 - dgrad: dy quantized in 1x128 groups along N, times a physical w^T [E, K, N] quantized in 128x128
   blocks: both operands K-major, as DeepGEMM's sm_90 `m_grouped_fp8_gemm_nt_contiguous` needs. The
   128x128 tiles of w^T are the transposed tiles of w with the same scales, so quantizing w^T is

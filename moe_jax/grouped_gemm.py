@@ -13,8 +13,8 @@ float32 [E, ceil(N/128), ceil(K/128)]. The product is
 `sum_kb (xq . wq)[kb] * x_scale[kb] * w_scale[n // 128, kb]`, accumulated in float32.
 
 Backends are chosen through the `GEMMS` registry (`moe_jax.registry`): a name, a `GroupedGemm`, or
-"auto". Names map to modules that are imported only when asked for, so a backend whose library is
-missing stays listed and says why it cannot run.
+"auto" (in `moe_jax.plan.gemm_order`'s order). Names map to modules that are imported only when
+asked for, so a backend whose library is missing stays listed and says why it cannot run.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class GemmProblem:
       w_dtype: name of the weight dtype.
       platform: "cpu", "gpu", ... as `moe_jax.registry.current_platform()` gives it.
       alignment: contiguous layout: rows per expert segment multiple the caller will use, or None
-        to take the backend's own (`GroupedGemm.layout_alignment`).
+        to take the backend's own (`moe_jax.plan.segment_alignment`).
       max_m: masked layout: rows per expert block.
     """
 
@@ -71,27 +71,20 @@ class GroupedGemm(abc.ABC):
 
     Attributes:
       name: registry name.
-      alignment: the contiguous layout's segment multiple this backend is built for (the
-        default of `layout_alignment`).
+      alignment: the contiguous layout's segment multiple this backend takes (the smallest,
+        where it takes a range).
+      max_alignment: the widest segment multiple it tiles, for a backend whose row tiles grow
+        with the segments (`moe_jax.plan.segment_alignment` chooses); None: `alignment` only.
       is_scales_group_major: the backend reads FP8 activation scales [M, K/128] through their
         transpose [K/128, M] (DeepGEMM's MN-major scales, the Mosaic kernel's row-block
         loads). The contiguous layout's producers (permute, act*up + quantize) then write them
         that way, so XLA cancels the transposes and no copy runs between the kernels.
-      gathers_rows: the backend's fused GEMM1 reads the contiguous layout's rows from the
-        tokens (a `gathered_act_quant` method), so the layer need not copy them.
     """
 
     name: str = ""
     alignment: int = layouts.DEFAULT_ALIGNMENT
+    max_alignment: int | None = None
     is_scales_group_major: bool = False
-    gathers_rows: bool = False
-
-    def layout_alignment(self, problem: GemmProblem) -> int:
-        """The segment multiple to build `problem`'s contiguous layout with when the caller
-        leaves `GemmProblem.alignment` as None: `alignment`, unless a backend tunes it by the
-        rows per expert."""
-        del problem
-        return self.alignment
 
     @abc.abstractmethod
     def unsupported_reason(self, problem: GemmProblem) -> str | None:
@@ -152,81 +145,10 @@ class GroupedGemm(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-# Decode crossover: "auto" puts the Pallas grouped GEMM first while the routed pairs per expert
-# (T * k / E) are at most this many. H200, 2026-12-02, jax 0.11.2, DeepSeek-V3 experts on one GPU
-# (E=256, H=7168, I=2048, k=8, FP8 128x128), whole layer, us per forward, Pallas vs DeepGEMM
-# (`python -m moe_jax bench --decode --tokens 1 8 32 128 512 1536 2048`):
-#   pairs/expert 1/32 (T=1): 131 vs 179; 1/4 (T=8): 716 vs 970; 1 (T=32): 2155 vs 3228;
-#   4 (T=128): 3067 vs 3902; 16 (T=512): 3451 vs 4151; 32 (T=1024): 4652 vs 4468;
-#   48 (T=1536): 6052 vs 4647; 64 (T=2048): 7619 vs 4863.
-# Pallas wins up to 16 and loses from 32 on: its 16-row tiles waste no padding, but its MMA rate
-# is far below DeepGEMM's once the work turns compute-bound. Wider segments (alignment 32 or 64,
-# so 32-64-row tiles) win only within noise at T=1024 (4396 vs 4468) and lose at T=1536 (5169
-# vs 4647) and T=2048 (6819 vs 4863), so the layout kept 16 then (row blocks launched first).
-# BENCHMARKS.md, "Decode-size layers".
-# With the kernel's grid launched column tiles first (later the same day, one call): 1/32: 126 vs
-# 207; 1/4: 636 vs 900; 1: 1848 vs 3072; 4: 2703 vs 3772; 16: 3092 vs 4048; 32: 4353 vs 4301;
-# 48: 6008 vs 4556. The crossover stays between 16 and 32.
-# With one multiply-add per element for the block scales and segments of 32 rows from 17 pairs
-# per expert (`PallasGemm.layout_alignment`), 2026-12-02 (13-16 UTC session), one call:
-# 32 (T=1024): 4123 vs 4246; 64 (T=2048): 6270 vs 4702. The crossover moves to 32.
-# With Hopper's FP8 wgmma in the Pallas kernel (`GroupedGemmConfig.is_fp8_wgmma`), 2026-12-02
-# 22-23 UTC, one call: 1/32: 123 vs 166; 1/4: 645 vs 892; 1: 1813 vs 3048; 4: 2616 vs 3767;
-# 16: 3095 vs 3991; 32: 3288 vs 4270; 48: 3418 vs 4525; 64: 4334 vs 4742 (before the [64, 128]
-# untransposed tiles of `heuristic_config`). With those tiles (a second call): 64: 3998 vs 4669;
-# 96 (T=3072): 5256 vs 5278; 128 (T=4096): 6426 vs 6059. Pallas wins up to 64 and ties at 96:
-# the crossover moves to 64.
-# 2026-12-03 (H200, BENCHMARKS.md "a Mosaic GPU FP8 grouped GEMM"): the Mosaic GPU kernel
-# ("mosaic_fp8": persistent, warp-specialised, TMA-fed) on the 64-row segments the Pallas kernel
-# also takes from 17 pairs per expert. GEMM1 / GEMM2 us (`gemm_sweep --candidates mosaic`,
-# Mosaic vs Pallas): 32 pairs (T=1024) 1908 / 999 vs 1978 / 975; 64 (T=2048) 2261 / 1159 vs
-# 2383 / 1162. Whole layer, one call (`bench --decode --variants auto pallas mosaic_fp8`, us,
-# Mosaic vs Pallas; DeepGEMM at 96): 16 pairs (T=512) 2988 vs 2846 (Pallas on 32-row segments);
-# 24 (T=768) 3012 vs 3048; 32 (T=1024) 3012 vs 3075; 48 (T=1536) 3084 vs 3149; 64 (T=2048) 3681
-# vs 3873; 96 (T=3072) 4654 vs 5100 (DeepGEMM 5155). Later the same day (10:36-13:36 UTC
-# session), with an expert's row blocks in pairs (`mosaic_fp8_config.heuristic_config`), Mosaic vs
-# DeepGEMM in one call: 128 pairs (T=4096) 4730 vs 5711; 192 (T=6144) 6317 vs 6162; 256
-# (T=8192) 7995 vs 7813; the prefill shapes (`bench` A, 1024 pairs per expert: 3554 vs 3005;
-# B, 512: 1136 vs 941). 2026-12-03 16:12-19:12 UTC session, with overlapped steps and groups of
-# 4 (`mosaic_fp8_config.heuristic_config`), one call, two rounds: 192 pairs (T=6144) 6066 / 6053
-# vs DeepGEMM 6419 / 6630 (the previous call, before groups of 4: 6325 vs 6359); 256 pairs not
-# re-measured. The Mosaic range now ends at 192 pairs.
-# So on the contiguous layout "auto" takes Mosaic first above MOSAIC_FP8_MIN_PAIRS_PER_EXPERT and
-# up to MOSAIC_FP8_MAX_PAIRS_PER_EXPERT, Pallas next up to PALLAS_MAX_PAIRS_PER_EXPERT; the
-# masked layout (measured with Pallas only, in the DeepEP low-latency path) keeps Pallas first.
-PALLAS_MAX_PAIRS_PER_EXPERT = 64
-MOSAIC_FP8_MIN_PAIRS_PER_EXPERT = 16
-MOSAIC_FP8_MAX_PAIRS_PER_EXPERT = 192
-
-
 def _preference(problem: GemmProblem) -> tuple[str, ...]:
-    """The order "auto" tries backends in.
+    from moe_jax.plan import gemm_order  # the one place "auto" is decided
 
-    GPU: DeepGEMM (FP8 and bf16 grouped GEMMs at 1.2+ PFLOPS on the H200), torch's grouped GEMM,
-    JAX's Mosaic GPU ragged dot, the Pallas grouped GEMM, then the XLA block loop. With FP8
-    weights and few rows per expert (decode) the Pallas grouped GEMM goes first: it pads segments
-    to 16-64 rows instead of 128 and makes no torch callback (the crossover was measured for FP8
-    only, so bf16 keeps the general order); on the contiguous layout from 17 to 192 pairs per
-    expert the Mosaic GPU FP8 kernel ("mosaic_fp8", 64-row segments) goes first (before Pallas
-    and DeepGEMM), and a problem it cannot take (N not a multiple of its tile) falls through.
-    Elsewhere the XLA loop only: the torch backend runs on the CPU as the twin of its GPU path for
-    tests, not to be fast.
-    """
-    if problem.platform == "gpu":
-        tuned = ("deep_gemm", "torch", "mosaic", "xla")
-        general = ("deep_gemm", "torch", "mosaic", "pallas", "xla")
-        pairs_per_expert = problem.num_pairs / max(problem.num_experts, 1)
-        is_mosaic_first = (
-            problem.is_fp8
-            and problem.layout == "contiguous"
-            and MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
-            < pairs_per_expert
-            <= MOSAIC_FP8_MAX_PAIRS_PER_EXPERT
-        )
-        if problem.is_fp8 and pairs_per_expert <= PALLAS_MAX_PAIRS_PER_EXPERT:
-            return ("mosaic_fp8", "pallas", *tuned) if is_mosaic_first else ("pallas", *tuned)
-        return ("mosaic_fp8", *general) if is_mosaic_first else general
-    return ("xla",)
+    return gemm_order(problem)[0]
 
 
 GEMMS: Registry[GroupedGemm] = Registry(
@@ -237,11 +159,7 @@ GEMMS: Registry[GroupedGemm] = Registry(
         "torch": "moe_jax.interop.torch_gemm",
         "mosaic": "moe_jax.kernels.mosaic_gemm",
         "mosaic_fp8": "moe_jax.kernels.mosaic_fp8_gemm",
-        "mosaic_fp8_interpret": "moe_jax.kernels.mosaic_fp8_gemm",
-        "mosaic_fp8_gathered": "moe_jax.kernels.mosaic_fp8_gemm",
-        "mosaic_fp8_gathered_interpret": "moe_jax.kernels.mosaic_fp8_gemm",
         "pallas": "moe_jax.kernels.grouped_gemm",
-        "pallas_interpret": "moe_jax.kernels.grouped_gemm",
     },
 )
 

@@ -29,10 +29,9 @@ WGRADS implementations: "xla" (a scan over alignment-row blocks accumulating int
 dense product, one [N, K] block product live at a time; correct everywhere, slow on GPUs) and
 "torch" (`torch._grouped_mm` 2-D x 2-D with `offs`, in `moe_jax.interop.torch_gemm`; its CPU twin
 runs in CI), "mosaic" (JAX's Mosaic GPU `transposed_ragged_dot`, Hopper; named only), "pallas"
-(a Pallas Triton k-grouped GEMM writing XLA's buffer, `moe_jax.kernels.wgrad`; its interpret twin
-"pallas_interpret" runs on the CPU). "auto" on a GPU: "pallas" first up to
-`PALLAS_WGRAD_MAX_ROWS_PER_EXPERT` layout rows per expert, else "torch" first, "xla" last;
-"xla" elsewhere.
+(a Pallas Triton k-grouped GEMM writing XLA's buffer, `moe_jax.kernels.wgrad`; the tests
+register its interpret mode as "pallas_interpret"). "auto" tries them in
+`moe_jax.plan.wgrad_order`'s order.
 """
 
 from __future__ import annotations
@@ -54,22 +53,10 @@ FP8_WEIGHTS_MESSAGE = (
 )
 
 
-# H200, 2026-12-01 (`python -m moe_jax.cli.wgrad_bench`, BENCHMARKS.md): with about 600 layout
-# rows per expert (shape B) the Pallas wgrad took 0.94 / 0.49 ms against torch's 1.22 / 0.64 ms
-# (which pays a copy of its result into XLA's buffer); with about 1090 (shape A) they tied
-# (3.99 / 1.99 against 3.98 / 1.94 ms). The crossover lies between; 768 is not measured itself.
-PALLAS_WGRAD_MAX_ROWS_PER_EXPERT = 768
-
-
 def _wgrad_preference(problem: grouped_gemm.GemmProblem) -> tuple[str, ...]:
-    """On a GPU: the Pallas kernel for short segments, else torch's grouped GEMM (device-side
-    group offsets, no host sync); XLA last, and alone off a GPU."""
-    if problem.platform != "gpu":
-        return ("xla",)
-    rows_per_expert = problem.num_pairs / max(problem.num_experts, 1)
-    if rows_per_expert <= PALLAS_WGRAD_MAX_ROWS_PER_EXPERT:
-        return ("pallas", "torch", "xla")
-    return ("torch", "pallas", "xla")
+    from moe_jax.plan import wgrad_order  # the one place "auto" is decided
+
+    return wgrad_order(problem)[0]
 
 
 WGRADS: Registry = Registry(
@@ -79,7 +66,6 @@ WGRADS: Registry = Registry(
         "torch": "moe_jax.interop.torch_gemm",
         "mosaic": "moe_jax.kernels.mosaic_wgrad",
         "pallas": "moe_jax.kernels.wgrad",
-        "pallas_interpret": "moe_jax.kernels.wgrad",
     },
 )
 

@@ -152,11 +152,9 @@ def test_auto_fast_path_on_gpu_matches_oracle(dtype):
     )
     weights = ExpertWeights(w1=jnp.asarray(inputs.w1), w2=jnp.asarray(inputs.w2))
     chosen = resolve_experts("auto")
-    gemm1 = chosen.select_gemms(
-        weights,
-        num_tokens=GPU_PROBLEM.num_tokens,
-        topk=GPU_PROBLEM.topk,
-        x_dtype=jnp.asarray(inputs.x).dtype,
+    x_dtype = jnp.float8_e4m3fn if dtype == "fp8" else jnp.asarray(inputs.x).dtype
+    gemm1 = chosen.plan_for(
+        weights, num_tokens=GPU_PROBLEM.num_tokens, topk=GPU_PROBLEM.topk, x_dtype=x_dtype
     ).gemm1
     if _has("deep_gemm"):
         assert gemm1.name == "deep_gemm"
@@ -203,7 +201,7 @@ def test_fp8_scales_reach_the_gemms_without_a_transpose(gemm):
     inputs = make_inputs(problem, "fp8", np.random.default_rng(15))
     experts = ContiguousExperts(gemm=gemm)
     weights = ExpertWeights(w1=jnp.asarray(inputs.w1), w2=jnp.asarray(inputs.w2))
-    alignment = experts.select_gemms(
+    alignment = experts.plan_for(
         weights, num_tokens=problem.num_tokens, topk=problem.topk, x_dtype=jnp.float8_e4m3fn
     ).alignment
     arrays = [

@@ -8,7 +8,7 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import grouped_gemm, layouts
+from moe_jax import layouts
 from moe_jax.grouped_gemm import GEMMS, GemmProblem
 from moe_jax.registry import NoImplementationError
 
@@ -30,7 +30,7 @@ def _problem(**changes) -> GemmProblem:
 
 def test_every_named_backend_is_listed_and_loads():
     names = GEMMS.names()
-    assert {"deep_gemm", "torch", "mosaic", "pallas", "pallas_interpret", "xla"} <= set(names)
+    assert {"deep_gemm", "torch", "mosaic", "pallas", "xla"} <= set(names)
     for name in names:
         assert GEMMS.get(name).name == name
 
@@ -58,29 +58,6 @@ def test_auto_picks_the_first_backend_in_preference_that_runs(platform):
         assert GEMMS.get(name).unsupported_reason(problem) is not None
     if platform == "cpu":
         assert preference == ("xla",) and chosen.name == "xla"
-
-
-def test_auto_prefers_the_decode_gemms_for_decode_sizes_on_gpu():
-    """Pallas first up to 16 pairs per expert; on the contiguous layout Mosaic's FP8 kernel
-    first above that and up to 192 (Pallas next up to 64), the masked layout Pallas up to 64;
-    DeepGEMM beyond."""
-    mosaic_from = grouped_gemm.MOSAIC_FP8_MIN_PAIRS_PER_EXPERT
-    short = _problem(platform="gpu", num_pairs=4 * mosaic_from)
-    longer = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1)
-    last = _problem(platform="gpu", num_pairs=4 * grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT)
-    prefill = _problem(platform="gpu", num_pairs=4096 * 8)
-    mosaic_last = _problem(
-        platform="gpu", num_pairs=4 * grouped_gemm.MOSAIC_FP8_MAX_PAIRS_PER_EXPERT
-    )
-    assert GEMMS.preference(mosaic_last)[:2] == ("mosaic_fp8", "deep_gemm")
-    assert GEMMS.preference(short)[0] == "pallas"
-    assert GEMMS.preference(longer)[:2] == GEMMS.preference(last)[:2] == ("mosaic_fp8", "pallas")
-    masked = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1, layout="masked")
-    assert GEMMS.preference(masked)[0] == "pallas"
-    bf16 = _problem(platform="gpu", num_pairs=4 * mosaic_from + 1, w_dtype="bfloat16")
-    assert "mosaic_fp8" not in GEMMS.preference(bf16)
-    assert GEMMS.preference(prefill)[:2] == ("deep_gemm", "torch")
-    assert GEMMS.preference(prefill)[-1] == "xla"
 
 
 def test_unknown_layout_is_refused():

@@ -1,5 +1,5 @@
 """Pallas grouped GEMM (`moe_jax.kernels.grouped_gemm`) vs a float64 loop, its backend registration,
-the decode crossover of "auto", and `fused_moe(experts="pallas_interpret")` against the XLA path.
+the segments it asks for, and `fused_moe(experts="pallas_interpret")` against the XLA path.
 
 Tolerances: with FP8 tiles upcast to bf16 (exact) or bf16 operands, each 128-wide K block is summed
 in float32, so with float32 output the kernel matches the float64 oracle to float32 summation
@@ -26,13 +26,14 @@ import oracles
 import pytest
 from gemm_problems import DEEPSEEK_V3_FP8_GEMM1, RoutedProblem
 
-import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas", "pallas_interpret")
+import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas")
 import moe_jax.quant
 from moe_jax import grouped_gemm, layouts
 from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.experts import ExpertWeights
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
+from moe_jax.plan import segment_alignment
 
 gg = sys.modules["moe_jax.kernels.grouped_gemm"]  # the package re-exports a function of that name
 
@@ -244,24 +245,11 @@ def test_interpret_backend_runs_anywhere_but_auto_never_picks_it():
             assert "pallas_interpret" not in names
 
 
-def test_auto_puts_pallas_first_for_few_rows_per_expert_only():
-    limit = grouped_gemm.PALLAS_MAX_PAIRS_PER_EXPERT
-    mosaic_limit = grouped_gemm.MOSAIC_FP8_MAX_PAIRS_PER_EXPERT
-    few = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * 16))
-    mid = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit))
-    past_pallas = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * limit + 256))
-    many = grouped_gemm.GEMMS.preference(_problem(num_pairs=256 * mosaic_limit + 256))
-    assert few[0] == "pallas" and mid[:2] == ("mosaic_fp8", "pallas")
-    assert past_pallas[:2] == ("mosaic_fp8", "deep_gemm") and many[0] == "deep_gemm"
-    assert many.index("pallas") < many.index("xla")  # faster than the XLA loop as a fallback
-    assert grouped_gemm.GEMMS.preference(_problem(platform="cpu")) == ("xla",)
-
-
 def test_contiguous_experts_take_the_pallas_alignment():
     weights = ExpertWeights(
         w1=jnp.zeros((4, 64, 32), jnp.bfloat16), w2=jnp.zeros((4, 32, 32), jnp.bfloat16)
     )
-    pair = ContiguousExperts(gemm="pallas_interpret").select_gemms(
+    pair = ContiguousExperts(gemm="pallas_interpret").plan_for(
         weights, num_tokens=3, topk=2, x_dtype=jnp.bfloat16
     )
     assert pair.gemm1.name == pair.gemm2.name == "pallas_interpret"
@@ -277,12 +265,12 @@ def test_contiguous_experts_take_the_pallas_alignment():
 def test_pallas_layout_alignment_grows_with_pairs_per_expert(num_pairs, alignment):
     """16 rows up to 8 mean pairs per expert, 32 up to 16, 64 above; a caller's own wins."""
     pallas = grouped_gemm.GEMMS.get("pallas")
-    assert pallas.layout_alignment(_problem(num_pairs=num_pairs)) == alignment
+    assert segment_alignment(pallas, _problem(num_pairs=num_pairs)) == alignment
     weights = ExpertWeights(
         w1=jnp.zeros((256, 64, 32), jnp.bfloat16), w2=jnp.zeros((256, 32, 32), jnp.bfloat16)
     )
     for align, want in ((None, alignment), (48, 48)):
-        pair = ContiguousExperts(gemm="pallas_interpret", alignment=align).select_gemms(
+        pair = ContiguousExperts(gemm="pallas_interpret", alignment=align).plan_for(
             weights, num_tokens=num_pairs, topk=1, x_dtype=jnp.bfloat16
         )
         assert pair.alignment == want
@@ -301,7 +289,7 @@ def test_fused_moe_matches_the_xla_experts(impl, num_tokens, alignment, dtype):
     rng = np.random.default_rng(7)
     num_experts, hidden, inter, topk = 4, 256, 128, 2
     probe = _problem(num_pairs=num_tokens * topk, num_experts=num_experts)
-    assert grouped_gemm.GEMMS.get(impl).layout_alignment(probe) == alignment
+    assert segment_alignment(grouped_gemm.GEMMS.get(impl), probe) == alignment
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 16, jnp.float32)
     w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)

@@ -26,9 +26,10 @@ from test_kernels_mosaic_fp8_gemm import (
     _operands,
 )
 
-from moe_jax import grouped_gemm, layouts, permute
+from moe_jax import layouts, permute
 from moe_jax.contiguous_experts import ContiguousExperts
-from moe_jax.experts import ExpertsCall, ExpertWeights, select_gemms
+from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax.fused_gemm1 import FUSED_GEMM1S, FusedGemm1Problem, fused_gemm1
 from moe_jax.fused_moe import fused_moe
 from moe_jax.kernels import mosaic_fp8_gather as gather
 from moe_jax.kernels import mosaic_fp8_gemm as mg
@@ -114,10 +115,9 @@ def _gathered(problem, *, config, interpret, num_sms=None, fn=gather.gathered_ac
         jnp.asarray(meta["source"], jnp.int32),
         x_scales=jnp.asarray(x_scales),
         w1_scales=jnp.asarray(w_scales),
-        alignment=ALIGNMENT,
-        config=config,
-        num_sms=num_sms,
-        interpret=interpret,
+        options=mg.FusedGemm1Options(
+            alignment=ALIGNMENT, config=config, num_sms=num_sms, interpret=interpret
+        ),
     )
     return (q, s), (x, w, x_scales, w_scales, lay)
 
@@ -174,13 +174,9 @@ def _gathered_call(**changes):
         interpret=True,
     )
     args.update(changes)
-    return gather.gathered_act_quant(
-        args.pop("x_tokens"),
-        args.pop("w1"),
-        args.pop("expert_ids"),
-        args.pop("row_sources"),
-        **args,
-    )
+    arrays = [args.pop(name) for name in ("x_tokens", "w1", "expert_ids", "row_sources")]
+    scales = dict(x_scales=args.pop("x_scales"), w1_scales=args.pop("w1_scales"))
+    return gather.gathered_act_quant(*arrays, **scales, options=mg.FusedGemm1Options(**args))
 
 
 @pytest.mark.parametrize(
@@ -214,18 +210,17 @@ def test_gathered_no_tokens_and_no_gradient():
         row_sources=jnp.zeros((0,), jnp.int32),
     )
     assert q.shape == (0, 128) and s.shape == (0, 1)
-    backend = grouped_gemm.GEMMS.get("mosaic_fp8_gathered_interpret")
 
     def loss(tokens):
-        q, s = backend.gathered_act_quant(
+        q, s = fused_gemm1(
             tokens,
             jnp.zeros((2, 256, 128), FP8_DTYPE),
-            jnp.zeros((128,), jnp.int32),
             jnp.zeros((128,), jnp.int32),
             x_scales=jnp.ones((8, 1)),
             w1_scales=jnp.ones((2, 2, 1)),
             alignment=ALIGNMENT,
-            activation="silu",
+            row_sources=jnp.zeros((128,), jnp.int32),
+            impl="mosaic_fp8_gathered_interpret",
         )
         return jnp.sum(s)
 
@@ -296,24 +291,28 @@ def test_kernel_lowers_for_hopper_with_the_hardware_reporting_the_rows():
 # --- the backend and the layer --------------------------------------------------------------
 
 
+def _fused_problem(**changes) -> FusedGemm1Problem:
+    return FusedGemm1Problem(gemm=_gemm_problem(**changes), activation="silu", group_size=128)
+
+
 def test_compiled_backend_refuses_a_jax_without_inline_ptx(monkeypatch):
     """On a Hopper GPU with a jax whose Mosaic GPU emits no inline PTX (0.10), the compiled
     backend says so and names the way out; the interpret twin (the reference) still runs."""
-    problem = _gemm_problem(platform="gpu", alignment=128)
-    compiled = mg.MosaicFp8Gemm(gathers_rows=True)
+    problem = _fused_problem(platform="gpu", alignment=128)
+    compiled = mg.MosaicFp8FusedGemm1(gathers_rows=True)
     monkeypatch.setattr(mg, "_compute_capability", lambda: mg.HOPPER)
     monkeypatch.setattr(gather, "has_inline_ptx", lambda: False)
     reason = compiled.unsupported_reason(problem)
     assert "inline PTX" in reason and "fused_act_quant='mosaic_fp8'" in reason
-    assert mg.MosaicFp8Gemm(gathers_rows=True, interpret=True).unsupported_reason(problem) is None
+    interpret = mg.MosaicFp8FusedGemm1(gathers_rows=True, interpret=True)
+    assert interpret.unsupported_reason(problem) is None
     monkeypatch.setattr(gather, "has_inline_ptx", lambda: True)
     assert compiled.unsupported_reason(problem) is None
 
 
 def test_backend_refuses_other_segments_and_the_layer_routes():
-    backend = grouped_gemm.GEMMS.get("mosaic_fp8_gathered_interpret")
-    problem = _gemm_problem(alignment=64)
-    assert "128-row pairs" in backend.unsupported_reason(problem)
+    backend = FUSED_GEMM1S.get("mosaic_fp8_gathered_interpret")
+    assert "128-row blocks" in backend.unsupported_reason(_fused_problem(alignment=64))
     weights = ExpertWeights(
         w1=jax.ShapeDtypeStruct((4, 512, 256), FP8_DTYPE),
         w2=jax.ShapeDtypeStruct((4, 256, 256), FP8_DTYPE),
@@ -322,16 +321,10 @@ def test_backend_refuses_other_segments_and_the_layer_routes():
         ("mosaic_fp8_gathered_interpret", True),
         ("mosaic_fp8_interpret", False),
     ):
-        gemms = select_gemms(
-            "xla",
-            weights,
-            layout="contiguous",
-            num_pairs=256,
-            x_dtype=FP8_DTYPE,
-            alignment=ALIGNMENT,
-            fused_act_quant=fused,
-        )
-        assert gemms.fuses_act_quant and gemms.gathers_rows == gathers
+        experts = ContiguousExperts(gemm="xla", alignment=ALIGNMENT, fused_act_quant=fused)
+        plan = experts.plan_for(weights, num_tokens=128, topk=2, x_dtype=FP8_DTYPE)
+        assert plan.fuses_act_quant and plan.gathers_rows == gathers
+        assert plan.arrange == ("route" if gathers else "permute")
 
 
 @pytest.mark.parametrize(
@@ -355,8 +348,8 @@ def test_arrange_routes_where_gemm1_gathers_and_permutes_elsewhere(fused, has_ro
         w1_scale=jnp.ones((2, 2, 1)),
         w2_scale=jnp.ones((2, 1, 1)),
     )
-    gemms = experts.select_gemms(weights, num_tokens=6, topk=2, x_dtype=FP8_DTYPE)
-    lay = experts.arrange(prepared, weights, expert_map=None, gemms=gemms)
+    plan = experts.plan_for(weights, num_tokens=6, topk=2, x_dtype=FP8_DTYPE)
+    lay = experts.arrange(prepared, weights, expert_map=None, plan=plan)
     routed = permute.route(ids, num_experts=2, alignment=ALIGNMENT)
     np.testing.assert_array_equal(np.asarray(lay.inverse), np.asarray(routed.inverse))
     np.testing.assert_array_equal(np.asarray(lay.expert_ids), np.asarray(routed.expert_ids))
@@ -373,7 +366,9 @@ def test_arrange_routes_where_gemm1_gathers_and_permutes_elsewhere(fused, has_ro
 
 
 def test_the_rowless_layout_needs_the_tokens():
-    experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant="mosaic_fp8_interpret")
+    experts = ContiguousExperts(
+        gemm="xla", alignment=128, fused_act_quant="mosaic_fp8_gathered_interpret"
+    )
     lay = permute.route(jnp.zeros((4, 1), jnp.int32), num_experts=2, alignment=128)
     weights = ExpertWeights(
         w1=jnp.zeros((2, 256, 128), FP8_DTYPE),
@@ -382,9 +377,9 @@ def test_the_rowless_layout_needs_the_tokens():
         w2_scale=jnp.ones((2, 1, 1)),
     )
     call = ExpertsCall(quant_config=Fp8BlockQuant())
-    gemms = experts.select_gemms(weights, num_tokens=4, topk=1, x_dtype=FP8_DTYPE)
+    plan = experts.plan_for(weights, num_tokens=4, topk=1, x_dtype=FP8_DTYPE)
     with pytest.raises(ValueError, match="pass prepared="):
-        experts.first_gemm_act_quant(lay, weights, gemms=gemms, call=call)
+        experts.first_gemm_act_quant(lay, weights, plan=plan, call=call)
 
 
 @pytest.mark.parametrize("gemm", ["xla", pytest.param("deep_gemm", marks=pytest.mark.gpu)])

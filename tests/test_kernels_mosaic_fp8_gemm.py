@@ -23,15 +23,13 @@ import moe_jax.fp8_training
 import moe_jax.quant
 from moe_jax import grouped_gemm
 from moe_jax.contiguous_experts import ContiguousExperts
-from moe_jax.experts import (
-    FUSED_ACT_QUANT_MAX_K,
-    GATHERED_MAX_N,
-    fused_act_quant_preference,
-)
+from moe_jax.experts import ExpertsCall
+from moe_jax.fused_gemm1 import fused_gemm1
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
-from moe_jax.kernels import mosaic_fp8_gather, mosaic_fp8_tiles
 from moe_jax.kernels import mosaic_fp8_gemm as mg
+from moe_jax.kernels import mosaic_fp8_tiles
+from moe_jax.plan import fused_gemm1_order
 from moe_jax.registry import NoImplementationError
 
 # Interpret mode runs on the CPU device on GPU hosts (conftest); the compiled cases (marked gpu)
@@ -248,10 +246,18 @@ def test_no_rows():
     assert y.shape == (0, 256) and y.dtype == jnp.bfloat16
 
 
+def _act_quant(
+    x, w1, expert_ids, *, x_scales, w1_scales, fn=mg.mosaic_fp8_gemm_act_quant_contiguous, **options
+):
+    """`fn` (the fused GEMM1 kernel or its reference) with `options` as `FusedGemm1Options`."""
+    options = mg.FusedGemm1Options(**options)
+    return fn(x, w1, expert_ids, x_scales=x_scales, w1_scales=w1_scales, options=options)
+
+
 def _call(fn=mg.mosaic_fp8_gemm_contiguous, **changes):
     """`fn` on small zero operands with `changes`; the fused entry point names the weights
     w1 and w1_scales."""
-    weights = "w1" if fn is mg.mosaic_fp8_gemm_act_quant_contiguous else "w"
+    weights = "w1" if fn is _act_quant else "w"
     args = {
         "x": jnp.zeros((64, 128), jnp.float8_e4m3fn),
         weights: jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
@@ -360,7 +366,7 @@ def test_backend_refuses_with_a_reason(changes, reason, monkeypatch):
     backend = grouped_gemm.GEMMS.get("mosaic_fp8")
     assert backend.unsupported_reason(_gemm_problem()) is None
     assert reason in backend.unsupported_reason(_gemm_problem(**changes))
-    assert backend.layout_alignment(_gemm_problem()) == 64
+    assert backend.alignment == 64 and backend.max_alignment is None
 
 
 def test_backend_refuses_gpus_without_wgmma(monkeypatch):
@@ -450,12 +456,13 @@ ACT_QUANT_ATOL_OF_ROW_MAX = 1e-2
 def _run_act_quant(
     lay, w, w_scales, *, config, interpret, alignment=64, fn=mg.mosaic_fp8_gemm_act_quant_contiguous
 ):
-    return fn(
+    return _act_quant(
         jnp.asarray(lay["rows"]),
         jnp.asarray(w),
         jnp.asarray(lay["expert_ids"], jnp.int32),
         x_scales=jnp.asarray(lay["row_scales"]),
         w1_scales=jnp.asarray(w_scales),
+        fn=fn,
         alignment=alignment,
         config=config,
         interpret=interpret,
@@ -583,7 +590,7 @@ def test_act_quant_reference_matches_the_kernel_in_interpret_mode():
 
 def _act_quant_call(**changes):
     """`_call`'s operands (w as w1, w_scales as w1_scales) through the fused entry point."""
-    return _call(fn=mg.mosaic_fp8_gemm_act_quant_contiguous, **changes)
+    return _call(fn=_act_quant, **changes)
 
 
 @pytest.mark.parametrize(
@@ -608,17 +615,16 @@ def test_act_quant_no_rows_and_no_gradient():
         x_scales=jnp.zeros((0, 1)),
     )
     assert q.shape == (0, 128) and s.shape == (0, 1)
-    backend = grouped_gemm.GEMMS.get("mosaic_fp8_interpret")
 
     def loss(rows):
-        q, s = backend.contiguous_act_quant(
+        q, s = fused_gemm1(
             rows,
             jnp.zeros((2, 256, 128), jnp.float8_e4m3fn),
             jnp.zeros((64,), jnp.int32),
             x_scales=jnp.ones((64, 1)),
             w1_scales=jnp.ones((2, 2, 1)),
             alignment=64,
-            activation="silu",
+            impl="mosaic_fp8_interpret",
         )
         return jnp.sum(s)
 
@@ -660,11 +666,11 @@ def test_fused_moe_with_the_fused_first_gemm(gemm):
 
 
 def test_fused_first_gemm_by_object_takes_its_config():
-    """`ContiguousExperts(fused_act_quant=MosaicFp8Gemm(config))`: the fused GEMM1 with the given
+    """`ContiguousExperts(fused_act_quant=MosaicFp8FusedGemm1(config))`: the fused GEMM1 with the
     tiles (here skipping all-padding row blocks on 128-row segments) in the layer, within one FP8
     step of the requantization of the XLA experts (interpret mode)."""
     args, scales = _fp8_layer(oracles.seed("fused_first_gemm_object"))
-    fused = mg.MosaicFp8Gemm(PAIRS_SKIPPING, interpret=True)
+    fused = mg.MosaicFp8FusedGemm1(PAIRS_SKIPPING, interpret=True)
     experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant=fused)
     got = np.asarray(fused_moe(*args, experts=experts, **scales), np.float64)
     want = np.asarray(fused_moe(*args, experts="xla", **scales), np.float64)
@@ -680,66 +686,28 @@ def test_fused_first_gemm_refusals():
     w2 = jnp.asarray(rng.standard_normal((2, 256, 128)), jnp.bfloat16)
     ids = jnp.zeros((8, 1), jnp.int32)
     weights = jnp.ones((8, 1), jnp.float32)
-    experts = ContiguousExperts(gemm="xla", fused_act_quant="xla")
-    with pytest.raises(ValueError, match="no GEMM1 with a fused act"):
+    experts = ContiguousExperts(gemm="xla", fused_act_quant="deep_gemm")
+    with pytest.raises(ValueError, match="fused_act_quant='deep_gemm': unknown fused GEMM1"):
         fused_moe(x, w1, w2, weights, ids, experts=experts)
     experts = ContiguousExperts(gemm="xla", fused_act_quant="mosaic_fp8_interpret")
-    with pytest.raises(NoImplementationError, match="FP8 operands only"):
+    with pytest.raises(NoImplementationError, match="fused_act_quant=.*FP8 inference only"):
         fused_moe(x, w1, w2, weights, ids, experts=experts)
-
-
-# shape B's GEMM1 (T=8192 k=8 E=128 H=2048 I=768) on DeepGEMM's 128-row segments
-SHAPE_B_GEMM1 = dict(n=2 * 768, k=2048, num_experts=128, num_pairs=8192 * 8, alignment=128)
-
-
-@pytest.mark.parametrize(
-    "changes, activation, fused",
-    [
-        ({}, "silu", ("mosaic_fp8_gathered", "mosaic_fp8")),  # shape B: fused
-        (dict(k=1024), "silu", ("mosaic_fp8_gathered", "mosaic_fp8")),
-        (dict(n=GATHERED_MAX_N + 256), "silu", ("mosaic_fp8",)),  # wider: the contiguous form
-        (dict(k=FUSED_ACT_QUANT_MAX_K + 128), "silu", ()),  # larger H: DeepGEMM's GEMM1 wins
-        (dict(k=7168, n=4096, num_experts=32), "silu", ()),  # shape A
-        (dict(alignment=64), "silu", ()),  # the Mosaic GEMM's decode-size segments: not timed
-        (dict(alignment=None), "silu", ()),
-        ({}, "gelu", ()),  # no compiled epilogue
-        (dict(platform="cpu"), "silu", ()),
-        (dict(x_dtype="bfloat16", w_dtype="bfloat16"), "silu", ()),
-        (dict(layout="masked"), "silu", ()),
-    ],
-)
-def test_auto_fuses_the_first_gemm_where_it_was_measured_faster(changes, activation, fused):
-    problem = _gemm_problem(**{**SHAPE_B_GEMM1, **changes})
-    assert fused_act_quant_preference(problem, activation) == fused
-
-
-def test_auto_takes_the_gathered_first_gemm_where_jax_compiles_it():
-    """At shape B "auto"'s first choice is the gathered GEMM1; on a jax whose Mosaic GPU has no
-    inline PTX (0.10) it refuses the problem, naming why, and the contiguous kernel runs."""
-    problem = _gemm_problem(**SHAPE_B_GEMM1)
-    preference = fused_act_quant_preference(problem, "silu")
-    chosen = grouped_gemm.GEMMS.first_accepting(preference, problem)
-    gathered = grouped_gemm.GEMMS.get("mosaic_fp8_gathered")
-    if mosaic_fp8_gather.has_inline_ptx():
-        assert chosen.name == "mosaic_fp8_gathered" and chosen.gathers_rows
-    else:
-        assert chosen.name == "mosaic_fp8" and not chosen.gathers_rows
-        assert "inline PTX" in gathered.unsupported_reason(problem)
 
 
 def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
-    """`ContiguousExperts()` ("auto" GEMMs, `fused_act_quant="auto"`) fuses GEMM1 where the
-    preference names a backend that accepts the problem, and runs the same layer as the unfused
-    experts within one FP8 step of the requantization. On the CPU the preference is pointed at
-    the interpret-mode kernel (the GPU's rule never fuses there); a named GEMM, a training recipe
-    or `fused_act_quant=None` never fuse."""
-    import moe_jax.experts
+    """`ContiguousExperts()` ("auto" GEMMs, `fused_act_quant="auto"`) fuses GEMM1 where
+    `fused_gemm1_order` names a backend that accepts the problem, and runs the same layer as the
+    unfused experts within one FP8 step of the requantization. On the CPU the order is pointed
+    at the interpret-mode kernels (the GPU's rule never fuses there); a named GEMM, a training
+    recipe or `fused_act_quant=None` never fuse."""
+    import moe_jax.plan
 
-    def interpret_where_gpu_would(problem, activation):
-        on_gpu = dataclasses.replace(problem, platform="gpu")
-        return tuple(f"{name}_interpret" for name in fused_act_quant_preference(on_gpu, activation))
+    def interpret_where_gpu_would(problem):
+        on_gpu = dataclasses.replace(problem.gemm, platform="gpu")
+        names, why = fused_gemm1_order(dataclasses.replace(problem, gemm=on_gpu))
+        return tuple(f"{name}_interpret" for name in names), why
 
-    monkeypatch.setattr(moe_jax.experts, "fused_act_quant_preference", interpret_where_gpu_would)
+    monkeypatch.setattr(moe_jax.plan, "fused_gemm1_order", interpret_where_gpu_would)
     args, scales = _fp8_layer(oracles.seed("auto_fused_first_gemm"))
     weights = moe_jax.experts.ExpertWeights(
         w1=args[1], w2=args[2], w1_scale=scales["w1_scale"], w2_scale=scales["w2_scale"]
@@ -747,25 +715,25 @@ def test_auto_fused_first_gemm_in_the_layer(monkeypatch):
     sizes = dict(num_tokens=70, topk=2, x_dtype=jnp.float8_e4m3fn)
     auto = ContiguousExperts(alignment=128)
     assert auto.fused_act_quant == "auto"
-    gemms = auto.select_gemms(weights, **sizes)
-    assert gemms.fuses_act_quant and gemms.gemm1.name == "mosaic_fp8_gathered_interpret"
-    assert gemms.gathers_rows
-    assert gemms.gemm2.name == "xla"
-    assert not auto.select_gemms(weights, **sizes, activation="gelu").fuses_act_quant
-    assert not ContiguousExperts().select_gemms(weights, **sizes).fuses_act_quant  # xla's 16 rows
+    plan = auto.plan_for(weights, **sizes)
+    assert plan.gemm1.name == "mosaic_fp8_gathered_interpret" and plan.gathers_rows
+    assert plan.arrange == "route" and plan.gemm2.name == "xla"
+    gelu = ExpertsCall(activation="gelu", quant_config=moe_jax.quant.Fp8BlockQuant())
+    assert auto.plan_for(weights, **sizes, call=gelu).fuses_act_quant  # interpret: any activation
+    assert not ContiguousExperts().plan_for(weights, **sizes).fuses_act_quant  # xla's 16 rows
     unfused = [
         ContiguousExperts(gemm="xla", alignment=128),
         ContiguousExperts(alignment=128, fused_act_quant=None),
     ]
     for experts in unfused:
-        assert not experts.select_gemms(weights, **sizes).fuses_act_quant, experts
+        assert not experts.plan_for(weights, **sizes).fuses_act_quant, experts
     # the FP8 training recipe's GEMMs are FP8 problems too, on bf16 master weights
     master = moe_jax.experts.ExpertWeights(
         w1=args[1].astype(jnp.bfloat16), w2=args[2].astype(jnp.bfloat16)
     )
     recipe = ContiguousExperts(alignment=128, recipe=moe_jax.fp8_training.Fp8Training())
-    gemms = recipe.select_gemms(master, **{**sizes, "x_dtype": jnp.bfloat16})
-    assert not gemms.fuses_act_quant
+    plan = recipe.plan_for(master, **{**sizes, "x_dtype": jnp.bfloat16})
+    assert not plan.fuses_act_quant and plan.wgrads is not None
     got = np.asarray(fused_moe(*args, experts=auto, **scales), np.float64)
     want = np.asarray(fused_moe(*args, experts=unfused[1], **scales), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
