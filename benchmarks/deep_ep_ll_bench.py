@@ -23,7 +23,7 @@ Command-buffer mode (`--graph`, run with XLA_FLAGS letting XLA capture custom ca
 `DeepEPLowLatency(command_buffer_compatible=True)`, checked against the eager adapter's output
 (including calls on fresh input buffers, which XLA re-captures), with the number of DeepEP calls
 Python made while timing (0 when XLA replays its graphs), against the direct chain captured in a
-torch CUDA graph and replayed; and the whole `deep_ep_ll_moe` layer in that mode.
+torch CUDA graph and replayed; and the whole LL layer (`ll_layer`) in that mode.
 
 Graph-mode timings also report a steady state per round trip: each sample times 5 and then 20
 chains back to back, and the difference over the extra chains drops the sample's fixed lead-in
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import distributed, fused_moe, quant
+from moe_jax import MaskedExperts, ModularMoE, distributed, fused_moe, quant
 from moe_jax.cli.timing import time_calls
 from moe_jax.experts import ExpertWeights
 from moe_jax.interop import deep_ep as dep
@@ -124,11 +124,21 @@ def rel_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def ll_layer(ll, gemm: str = "auto"):
+    """`ModularMoE(ll, MaskedExperts(gemm=gemm))` under jax.jit on (x, ExpertWeights, tw, ids)."""
+    layer = ModularMoE(ll, MaskedExperts(gemm=gemm))
+    return jax.jit(
+        lambda x, w, tw, ids: layer(
+            x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale
+        )
+    )
+
+
 def check_layer(args, ll, torch) -> None:
-    """deep_ep_ll_moe == fused_moe (same FP8 weights) on fresh inputs."""
+    """The LL layer == fused_moe (same FP8 weights) on fresh inputs."""
     for seed in (1, 2):
         x, w, tw, ids = make_problem(args, seed)
-        out = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))(x, w, tw, ids)
+        out = ll_layer(ll)(x, w, tw, ids)
         ref = fused_moe(x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale)
         err = rel_error(out, ref)
         # Two FP8 casts of the same bf16 rows (DeepEP's amax floor 1e-4 vs moe_jax's) and DeepEP's
@@ -459,7 +469,7 @@ def _short(name: str) -> str:
 
 
 def time_graph_layer(args, problem, buffer) -> dict:
-    """deep_ep_ll_moe in command-buffer mode with DeepGEMM's masked GEMM, the Pallas grouped
+    """The LL layer in command-buffer mode with DeepGEMM's masked GEMM, the Pallas grouped
     GEMM on the masked layout, and "auto" (the GEMM registry's choice, which it reports): each
     checked against fused_moe, then timed."""
     from moe_jax.cli.timing import time_jax
@@ -487,7 +497,7 @@ def time_graph_layer(args, problem, buffer) -> dict:
     )
     results = {"auto_gemm": chosen.name}
     for gemm in ("deep_gemm", "pallas", "auto"):
-        layer = jax.jit(lambda *a, gemm=gemm: dep_ll.deep_ep_ll_moe(*a, ll=ll, gemm=gemm))
+        layer = ll_layer(ll, gemm)
         err = rel_error(layer(x, w, tw, ids), ref)
         check(f"graph_ll_moe_vs_fused_moe[{gemm}]", err < 5e-2 and np.isfinite(err), rel_error=err)
         calls_before = ll.capture.num_host_calls
@@ -539,11 +549,11 @@ def time_bridge(args, torch) -> dict:
 
 
 def time_layer(args, ll) -> dict:
-    """deep_ep_ll_moe vs single-device fused_moe on the same tokens (jitted, streamed medians)."""
+    """The LL layer vs single-device fused_moe on the same tokens (jitted, streamed medians)."""
     from moe_jax.cli.timing import time_jax
 
     x, w, tw, ids = make_problem(args, 6)
-    layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
+    layer = ll_layer(ll)
     single = jax.jit(
         lambda x, w, tw, ids: fused_moe(
             x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale

@@ -14,7 +14,7 @@ from moe_jax.interop.bridge import TORCH_INSTALL_HINT, import_torch, torch_callb
 from moe_jax.interop.deep_ep import DEEP_EP_INSTALL_HINT
 from moe_jax.interop.deep_ep_ht import DeepEPHighThroughput, make_high_throughput_buffer
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, HTHandle, LLDispatched, LLHandle
-from moe_jax.interop.deep_ep_ll import DeepEPLowLatency, deep_ep_ll_moe, make_low_latency_buffer
+from moe_jax.interop.deep_ep_ll import DeepEPLowLatency, LLPreparedTokens, make_low_latency_buffer
 
 __all__ = [
     "DEEP_EP_INSTALL_HINT",
@@ -24,9 +24,9 @@ __all__ = [
     "HTHandle",
     "LLDispatched",
     "LLHandle",
+    "LLPreparedTokens",
     "TORCH_INSTALL_HINT",
     "deep_ep_layouts",
-    "deep_ep_ll_moe",
     "import_torch",
     "make_high_throughput_buffer",
     "make_low_latency_buffer",

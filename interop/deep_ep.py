@@ -9,10 +9,10 @@ One process per GPU (`moe_jax.distributed.init_distributed`), a `deep_ep.Buffer`
   experts and the rank's `expert_map`): intranode only (2, 4 or 8 ranks). Dispatch runs with
   `num_worst_tokens = R * T`, so the receive size is static and DeepEP makes no host sync; FP8
   rows + scales travel when the weights are FP8. Combine sums the ranks' weighted partial sums.
-- Low-latency (`DeepEPLowLatency` + `deep_ep_ll_moe`): `[E_local, R * T_max, H]` masked layout
-  straight into the masked grouped GEMM (DeepGEMM on the GPU); FP8 dispatch quantizes inside
-  DeepEP; combine applies the weights. Runs on one GPU too (world size 1). The masked layout is
-  not `PreparedTokens`' [T, H] rows, so this mode is a function, not a `PrepareFinalize`.
+- Low-latency (`DeepEPLowLatency`, a masked-format `PrepareFinalize`: `ModularMoE(ll,
+  MaskedExperts())` with this rank's experts): `[E_local, R * T_max, H]` blocks straight into the
+  masked grouped GEMM (DeepGEMM on the GPU); FP8 dispatch quantizes inside DeepEP; combine
+  applies the weights. Runs on one GPU too (world size 1).
 
 Speaks DeepEP V1's `Buffer` API (PyPI `tokenspeed-deepep` 1.2.1; V2 keeps it as `deep_ep.Buffer`).
 DeepEP's handle crosses from the dispatch call to the combine call as a named pytree of JAX arrays
@@ -21,8 +21,8 @@ DeepEP's int64 `topk_idx` (`deep_ep_layouts.topk_idx_words`): no cast kernel per
 
 Hazards: DeepEP allocates its dispatch outputs in torch's pool and the callback copies them into
 XLA's buffers (`LL_RECV_COPIES`); LL combine writes straight into XLA's output (no copy). Each
-callback costs host time (DLPack imports, DeepEP's Python wrapper): at 128 tokens per rank the LL
-round trip is host-bound, 2.7-4.3x a direct DeepEP call (BENCHMARKS.md). The LL callbacks can
+callback costs host time (DLPack imports, DeepEP's Python wrapper): at decode sizes the LL
+round trip is host-bound (BENCHMARKS.md). The LL callbacks can
 be captured into XLA's CUDA graphs instead (`DeepEPLowLatency(command_buffer_compatible=True)`,
 `deep_ep_ll_graph` says how their allocations and DeepEP's buffer alternation are kept safe); the
 HT callbacks allocate outside any private pool and are never captured. Calls sharing a Buffer

@@ -1,4 +1,4 @@
-"""The pure-JAX side of the DeepEP adapters: limits, handles, id rewrites, layout views, experts.
+"""The pure-JAX side of the DeepEP adapters: limits, handles, id rewrites, layout views.
 
 Everything here runs (and is tested) on the CPU; `moe_jax.interop.deep_ep` moves the tensors
 through DeepEP. Contracts (DeepEP V1's `Buffer` API; vLLM's DeepEP prepare/finalize wrappers,
@@ -13,6 +13,7 @@ the ranks' *weighted* partial outputs without weights.
 Low-latency (LL) dispatch delivers `[E_local, R * T_max, H]` rows (one per selected expert, the
 first `recv_count[e]` valid, the rest stale), FP8 scales allocated `[E_local, H / 128, R * T_max]`
 and seen through a transposed view (DeepGEMM's masked SFA layout); LL combine applies the weights.
+The masked experts (`moe_jax.masked_experts`) run on those rows as `MaskedTokens`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm, layouts
+from moe_jax import layouts
 from moe_jax._pytree import pytree_dataclass
-from moe_jax.experts import ExpertsCall, ExpertWeights
-from moe_jax.masked_experts import masked_mlp
 from moe_jax.prepare_finalize import PreparedTokens
 
 HT_INTRANODE_RANKS = (2, 4, 8)  # DeepEP `SWITCH_RANKS` (csrc/kernels/launch.cuh)
@@ -222,12 +221,6 @@ def ht_global_topk_ids(
     return jnp.where(ids < 0, not_owned, ids + offset).astype(jnp.int32)
 
 
-def ht_num_tokens_per_expert(recv_topk_idx: jax.Array, num_local_experts: int) -> jax.Array:
-    """int32[E_local] received (token, slot) pairs per local expert (DeepEP's count list with
-    expert_alignment=1), computed on the device: with num_worst_tokens DeepEP returns none."""
-    return layouts.count_expert_num_tokens(recv_topk_idx, num_local_experts)
-
-
 def ht_prepared_tokens(
     recv_x: jax.Array,
     recv_x_scales: jax.Array | None,
@@ -254,63 +247,9 @@ def ll_scales_from_storage(storage: jax.Array) -> jax.Array:
     return jnp.swapaxes(storage, 1, 2)
 
 
-def ll_scales_to_storage(scales: jax.Array) -> jax.Array:
-    """Inverse of `ll_scales_from_storage`: [E_local, T_tot, G] -> [E_local, G, T_tot]."""
-    return jnp.swapaxes(scales, 1, 2)
-
-
 def ll_clear_stale_rows(rows: jax.Array, recv_count: jax.Array) -> jax.Array:
     """Zeroes rows at or past recv_count[e] (stale in DeepEP's buffer) of [E, T_tot, ...] rows."""
     valid = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :] < recv_count[:, None]
     return jnp.where(
         valid.reshape(*valid.shape, *([1] * (rows.ndim - 2))), rows, jnp.zeros((), rows.dtype)
     )
-
-
-def ll_expected_m(num_tokens: int, topk: int, num_experts: int, max_m: int) -> int:
-    """DeepGEMM's masked-GEMM hint: mean rows per expert rounded up to 16, in [16, max_m]."""
-    return max(16, min(max_m, layouts.round_up(-(-num_tokens * topk // num_experts), 16)))
-
-
-def masked_experts_forward(
-    rows: jax.Array,
-    row_scales: jax.Array | None,
-    recv_count: jax.Array,
-    weights: ExpertWeights,
-    *,
-    call: ExpertsCall,
-    num_pairs: int,
-    gemm: str | grouped_gemm.GroupedGemm = "auto",
-    expected_m: int | None = None,
-) -> jax.Array:
-    """The experts on LL's masked layout (vLLM's BatchedDeepGemmExperts): unweighted outputs.
-
-    Stale rows (at or past recv_count[e]) are neither read as data nor cleared: every stage works
-    row by row and the masked GEMMs skip them, and DeepEP's combine reads valid rows only, so a
-    clearing pass would only add three full passes over the buffers.
-
-    Args:
-      rows: [E_local, T_tot, H] bf16, or float8_e4m3fn with `row_scales`.
-      row_scales: float32[E_local, T_tot, H // 128] (see `ll_scales_from_storage`) or None.
-      recv_count: int32[E_local] valid rows per expert.
-      weights: this rank's `ExpertWeights` ([E_local, ...]).
-      call: activation, quantization recipe (None: no FP8) and output dtype.
-      num_pairs: routed pairs the blocks hold at most (the GEMM registry's problem size).
-      gemm: grouped-GEMM backend name or object; "auto" is the registry's choice (DeepGEMM's
-        masked GEMM on an H200).
-      expected_m: scheduling hint; None uses T_tot.
-
-    Returns:
-      [E_local, T_tot, H] in call.out_dtype; rows past recv_count are unspecified.
-    """
-    y = masked_mlp(
-        rows,
-        row_scales,
-        recv_count,
-        weights,
-        gemm=gemm,
-        call=call,
-        num_pairs=num_pairs,
-        expected_m=expected_m,
-    )
-    return y.astype(call.out_dtype)

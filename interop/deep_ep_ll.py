@@ -1,5 +1,5 @@
-"""DeepEP low-latency dispatch -> masked experts -> combine (`deep_ep_ll_moe`; see
-`moe_jax.interop.deep_ep` for the shared contract and hazards)."""
+"""DeepEP low-latency dispatch/combine as a masked-format `PrepareFinalize` for `ModularMoE` with
+`MaskedExperts` (see `moe_jax.interop.deep_ep` for the shared contract and hazards)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import quant
-from moe_jax.experts import ExpertsCall, ExpertWeights
+from moe_jax._pytree import pytree_dataclass
 from moe_jax.interop import deep_ep_layouts as dl
 from moe_jax.interop.bridge import import_torch, torch_callback
 from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, LLDispatched, LLHandle
 from moe_jax.interop.deep_ep_ll_graph import LLCaptureState, combine_output
+from moe_jax.prepare_finalize import (
+    ActivationFormat,
+    MaskedTokens,
+    PrepareFinalize,
+    scale_by_router_weight,
+)
 from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, current_platform
 
 # How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
 # (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device).
 # "auto" is "valid_rows" on a GPU backend (fewer bytes: ~7.6 MB instead of ~30 MB at T_max=128,
-# E_local=32, H=7168), else "all_rows". At that size the round trip is bound by host time and the
-# two were within run-to-run noise on one H200 (2026-12-01: 172 vs 203 us in one run, 274 vs
-# 224 us in another).
+# E_local=32, H=7168), else "all_rows".
 LL_RECV_COPIES = (AUTO, "valid_rows", "all_rows")
 
 
@@ -37,10 +41,8 @@ class ValidRowsCopyConfig:
       block_w: int32 words per row chunk a program moves per step (power of two).
       num_warps: Triton warps per program.
 
-    The defaults are the fastest of 36 tilings on an H200 (2026-12-02, `scripts/deep_ep_ll_bench.py
-    --copy-sweep`: 1024 received rows of 7 KiB, E=32, 128 tokens, 50 copies per CUDA graph):
-    4.32 us per copy, against 4.56 us for the previous 2 rows and 4 warps, 4.9-5.4 us with one
-    row per program and 5.7 us for the slowest.
+    The defaults are the fastest tiling of `benchmarks/deep_ep_ll_bench.py --copy-sweep`
+    (BENCHMARKS.md).
     """
 
     block_t: int = 4
@@ -197,9 +199,18 @@ RECV_COPIES.register(FunctionImpl("valid_rows", _copy_valid_rows, refuse=_needs_
 RECV_COPIES.register(FunctionImpl("all_rows", _copy_all_rows))
 
 
+@pytree_dataclass
+class LLPreparedTokens(MaskedTokens):
+    """LL's received blocks (x: [E_local, R * T_max, H]) and the handle for the combine."""
+
+    handle: LLHandle
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class DeepEPLowLatency:
-    """DeepEP low-latency dispatch/combine (module docstring).
+class DeepEPLowLatency(PrepareFinalize):
+    """DeepEP low-latency dispatch/combine (module docstring): `prepare` dispatches this rank's
+    tokens (T <= T_max, global ids) into masked blocks for `MaskedExperts` run on this rank's
+    experts ([E_local, ...], no expert_map); `finalize` combines them, weighted, into [T, H].
 
     Attributes:
       buffer: this process's `make_low_latency_buffer(group, problem)`.
@@ -209,11 +220,12 @@ class DeepEPLowLatency:
       command_buffer_compatible: let XLA capture the dispatch and combine callbacks into its CUDA
         graphs, so replays run no Python (`moe_jax.interop.deep_ep_ll_graph` says what that
         takes). Call `warm_up()` once, on every rank, before tracing; every jitted program must
-        combine each of its dispatches (`deep_ep_ll_moe` does).
+        combine each of its dispatches (`ModularMoE` does).
       capture: `deep_ep_ll_graph.LLCaptureState`, made by the adapter: command-buffer mode's
         host state, with `num_host_calls` (DeepEP calls made from Python; a replay adds none).
     """
 
+    activation_format = ActivationFormat.MASKED
     buffer: Any
     problem: DeepEPProblem
     use_fp8: bool = True
@@ -256,6 +268,39 @@ class DeepEPLowLatency:
             return self._combine(y.astype(jnp.bfloat16), ids, weights, got, is_capturable=False)
 
         jax.block_until_ready(jax.jit(round_trip)(x, ids, weights))
+
+    def prepare(
+        self, hidden_states, topk_weights, topk_ids, *, quant_config, apply_router_weight_on_input
+    ):
+        """Dispatches bf16 rows -> `LLPreparedTokens`. FP8 rows come from DeepEP's own cast (amax
+        floor 1e-4: last-bit differences from moe_jax's quantizer), or with use_fp8=False from
+        quantizing the received buffer here."""
+        if quant_config is None and self.use_fp8:
+            raise ValueError(
+                "use_fp8=True needs FP8 weights: build DeepEPLowLatency(use_fp8=False)"
+            )
+        weights = topk_weights.astype(jnp.float32)
+        x = hidden_states.astype(jnp.bfloat16)
+        if apply_router_weight_on_input:
+            x, weights = scale_by_router_weight(x, weights), jnp.ones_like(weights)
+        got = self.dispatch(x, topk_ids)
+        rows, storage = got.rows, got.scales_storage
+        scales = None if storage is None else dl.ll_scales_from_storage(storage)
+        if quant_config is not None and scales is None:
+            rows, scales = quant_config.quantize_activations(rows)
+        return LLPreparedTokens(
+            x=rows,
+            x_scales=scales,
+            topk_ids=topk_ids,
+            topk_weights=weights,
+            num_tokens_per_expert=got.recv_count,
+            handle=got.handle,
+        )
+
+    def finalize(self, expert_output, prepared, weight_and_reduce, *, out_dtype):
+        del weight_and_reduce  # DeepEP's combine applies the weights
+        combined = self.combine(expert_output, prepared.topk_ids, prepared.topk_weights, prepared)
+        return combined.astype(out_dtype)
 
     def dispatch(self, x: jax.Array, topk_ids: jax.Array) -> LLDispatched:
         """x bf16[T <= T_max, H], topk_ids int[T, k] global -> `LLDispatched`."""
@@ -329,7 +374,8 @@ class DeepEPLowLatency:
         self, y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, dispatched: LLDispatched
     ) -> jax.Array:
         """y bf16[E_local, R * T_max, H] (unweighted expert outputs; rows past the counts are
-        not read) -> bf16[T, H], the weighted sum over each token's experts. DeepEP writes the
+        not read) -> bf16[T, H], the weighted sum over each token's experts. `dispatched`: the
+        dispatch's `LLDispatched` or `LLPreparedTokens` (only its handle is read). DeepEP writes the
         result straight into XLA's output buffer (into a temporary with
         `command_buffer_compatible`: `deep_ep_ll_graph.combine_output`)."""
         return self._combine(
@@ -375,56 +421,3 @@ class DeepEPLowLatency:
             return combined
         ids = dl.dispatch_topk_ids(topk_ids, num_experts=p.num_experts)
         return combine_output(combined, ids)
-
-
-def deep_ep_ll_moe(
-    x: jax.Array,
-    weights: ExpertWeights,
-    topk_weights: jax.Array,
-    topk_ids: jax.Array,
-    *,
-    ll: DeepEPLowLatency,
-    activation: str = "silu",
-    gemm: str = AUTO,
-) -> jax.Array:
-    """One rank's MoE layer over DeepEP low-latency: dispatch -> masked experts -> combine.
-
-    Args:
-      x: bf16[T, H] this rank's tokens, T <= T_max (`ll.problem.num_tokens`).
-      weights: this rank's experts, [E_local, ...] (global ids [rank * E_local, ...)).
-      topk_weights: float[T, k] router weights.
-      topk_ids: int[T, k] global expert ids; ids outside [0, E) go nowhere.
-      ll: `DeepEPLowLatency`.
-      activation: gated activation of the experts.
-      gemm: grouped-GEMM backend of the masked layout (`moe_jax.grouped_gemm.GEMMS`); "auto"
-        follows that registry's rule: on a GPU with FP8 weights the Pallas grouped GEMM up to
-        `PALLAS_MAX_PAIRS_PER_EXPERT` routed pairs per local expert (R * T_max * k / E_local),
-        DeepGEMM's masked GEMM above.
-
-    Returns:
-      bf16[T, H]. With FP8 weights the dispatch sends FP8 (DeepEP's own cast, amax floor 1e-4:
-      last-bit differences from moe_jax's quantizer) unless `ll.use_fp8` is False, in which case
-      the received bf16 rows are quantized here.
-    """
-    got = ll.dispatch(x, topk_ids)
-    scales = None if got.scales_storage is None else dl.ll_scales_from_storage(got.scales_storage)
-    rows = got.rows
-    quant_config = quant.Fp8BlockQuant() if weights.is_fp8 else None
-    if quant_config is not None and scales is None:
-        rows, scales = quant_config.quantize_activations(rows)
-    elif quant_config is None and scales is not None:
-        raise ValueError("FP8 dispatch with bf16 weights: build DeepEPLowLatency(use_fp8=False)")
-    p = ll.problem
-    y = dl.masked_experts_forward(
-        rows,
-        scales,
-        got.recv_count,
-        weights,
-        gemm=gemm,
-        call=ExpertsCall(activation=activation, quant_config=quant_config, out_dtype=jnp.bfloat16),
-        num_pairs=p.num_ranks * p.num_tokens * p.num_topk,
-        expected_m=dl.ll_expected_m(
-            x.shape[0] * p.num_ranks, topk_ids.shape[1], p.num_experts, rows.shape[1]
-        ),
-    )
-    return ll.combine(y, topk_ids, topk_weights, got)

@@ -2,9 +2,9 @@
 (`DeepEPLowLatency(command_buffer_compatible=True)`).
 
 Why: at 128 tokens per rank an LL dispatch -> combine round trip through the DLPack bridge is
-bound by host time (DLPack imports, DeepEP's Python wrapper, a Triton launch per callback):
-0.24-0.37 of a direct DeepEP call on an H200 (BENCHMARKS.md). When XLA captures the callbacks
-into its command buffers (CUDA graphs), a replay launches the recorded kernels and runs no Python.
+bound by host time (DLPack imports, DeepEP's Python wrapper, a Triton launch per callback;
+BENCHMARKS.md). When XLA captures the callbacks into its command buffers (CUDA graphs), a replay
+launches the recorded kernels and runs no Python.
 
 What a capture needs, and how `LLCaptureState` provides it:
 
@@ -27,7 +27,7 @@ What a capture needs, and how `LLCaptureState` provides it:
    this mode the combine writes a temporary that one select copies out (`combine_output`).
 
 Contract for callers: a jitted program that dispatches in this mode must combine that dispatch in
-the same program, as `deep_ep_ll_moe` does. A program that only dispatches would replay its
+the same program, as `ModularMoE` does. A program that only dispatches would replay its
 dispatch on one buffer, which no host-side check can see.
 """
 

@@ -53,14 +53,8 @@ from moe_jax.routing import require_int
 
 
 def transport_preference(problem: OpProblem) -> tuple[str, ...]:
-    """The transport "auto" picks: "padded" on every platform.
-
-    Measured on two H200s (2026-12-01, jax 0.11.2, NVLink): `ep_fused_moe` with T=4096 tokens in
-    all, E=32, k=8, H=2048, I=768, bf16 took 28.0 ms per layer with "ragged"
-    (`ragged_all_to_all`) against 3.39 ms with "padded" (`all_to_all` of the whole [R, C, H]
-    buffers, C = T_rank * k rows: about 8x the routed bytes). Moving fewer bytes does not pay
-    while XLA's GPU ragged all-to-all is that slow; re-measure before preferring it. On the CPU,
-    XLA does not implement ragged_all_to_all at all (jax #34755).
+    """The transport "auto" picks: "padded" on every platform. On GPUs "ragged" moves fewer bytes
+    but XLA's ragged all-to-all was slower (BENCHMARKS.md, EP); XLA:CPU lacks it (jax #34755).
     """
     del problem
     return ("padded",)

@@ -2,10 +2,11 @@
 
 The layout of DeepGEMM's masked GEMMs and of what DeepEP's low-latency dispatch delivers: each
 expert gets a block of max_m rows, of which the first `num_rows_per_expert[e]` are valid.
-`masked_mlp` runs the expert MLP on such blocks (DeepEP's adapters call it on theirs);
-`MaskedExperts` builds the blocks from routed tokens, bounded by `masked_bound_rows` (refusals
-raise `MaskedCapacityError`). The shared pieces (`ExpertWeights`, `ExpertsCall`,
-`ExpertsProblem`, `select_gemms`, `activate`) are in `moe_jax.experts`.
+`masked_mlp` runs the expert MLP on such blocks; `MaskedExperts` runs it on masked-format tokens
+(DeepEP low latency, `MaskedPrepareFinalize`) and, given token rows, builds the blocks itself,
+bounded by `masked_bound_rows` (refusals raise `MaskedCapacityError`). The shared pieces
+(`ExpertWeights`, `ExpertsCall`, `ExpertsProblem`, `select_gemms`, `activate`) are in
+`moe_jax.experts`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from moe_jax.experts import (
     select_gemms,
 )
 from moe_jax.grouped_gemm_backward import grouped_gemm_masked
+from moe_jax.prepare_finalize import ActivationFormat, MaskedPrepareFinalize, MaskedTokens
 from moe_jax.registry import NoImplementationError
 
 MASKED_SUFFIX = "_masked"  # "<gemm>_masked": MaskedExperts(gemm=<gemm>)
@@ -148,7 +150,8 @@ def _size(num_bytes: int) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskedExperts(Experts):
-    """Experts on the masked layout `[E, max_m, H]`.
+    """Experts on the masked layout `[E, max_m, H]`: they consume masked tokens (DeepEP low
+    latency, `MaskedPrepareFinalize`) and token rows, which they lay out with the latter.
 
     A token takes at most one row of an expert (slots repeating an expert share it), so T rows per
     expert never drop anything. The layout holds E * max_m rows whatever the routing, against
@@ -169,12 +172,14 @@ class MaskedExperts(Experts):
     Attributes:
       gemm: as for `ContiguousExperts`.
       act_quant_impl: as for `ContiguousExperts`.
-      max_m: rows per expert, at most the capacity; None means T. A smaller value drops the
+      max_m: rows per expert for token rows, at most the capacity; None means T (masked tokens
+        come in blocks sized by their prepare). A smaller value drops the
         (token, expert) rows that do not fit (in token order; `moe_jax.layouts.MaskedLayout`
         counts them in `num_dropped`), so use it only when the routing is known to fit (e.g.
         DeepEP's per-rank token limit).
     """
 
+    activation_formats = (ActivationFormat.STANDARD, ActivationFormat.MASKED)
     gemm: str | grouped_gemm.GroupedGemm = "auto"
     act_quant_impl: str = "auto"
     max_m: int | None = None
@@ -241,32 +246,36 @@ class MaskedExperts(Experts):
         return max(problem.num_tokens, 1) if self.max_m is None else self.max_m
 
     def apply(self, prepared, weights, *, expert_map, call):
-        num_tokens, topk = prepared.topk_ids.shape
+        """Masked tokens -> unweighted blocks [E, max_m, H] in the intermediate dtype (the
+        prepare's finalize weights them); token rows -> their weighted sum [T, H]."""
+        if prepared.activation_format is ActivationFormat.MASKED:
+            if expert_map is not None:
+                raise ValueError(
+                    "expert_map with masked tokens, whose prepare mapped the ids already: pass it "
+                    "to MaskedPrepareFinalize(expert_map=...), or None (DeepEP maps by rank)"
+                )
+            return self._mlp(prepared, weights, call)
         max_m = self.capacity(ExpertsProblem.of(prepared, weights, call))
-        lay = layouts.masked_layout_reference(
-            prepared.x,
-            prepared.topk_ids,
-            num_experts=weights.num_experts,
-            max_m=max_m,
-            x_scales=prepared.x_scales,
-            expert_map=expert_map,
+        pf = MaskedPrepareFinalize(
+            num_experts=weights.num_experts, max_m=max_m, expert_map=expert_map
         )
+        blocks = pf.blocks(prepared)
+        y = self._mlp(blocks, weights, call)
+        return pf.finalize(y, blocks, self.weight_and_reduce(), out_dtype=call.out_dtype)
+
+    def _mlp(self, tokens: MaskedTokens, weights: ExpertWeights, call: ExpertsCall) -> jax.Array:
+        num_experts, max_m = tokens.x.shape[:2]
+        num_tokens, topk = tokens.topk_ids.shape
         # DeepGEMM's scheduling hint: the mean rows per expert, rounded up to 16 (vLLM's choice).
-        expected_m = max(
-            16, min(max_m, layouts.round_up(-(-num_tokens * topk // weights.num_experts), 16))
-        )
-        y = masked_mlp(
-            lay.rows,
-            lay.row_scales,
-            lay.num_tokens_per_expert,
+        expected_m = max(16, min(max_m, layouts.round_up(-(-num_tokens * topk // num_experts), 16)))
+        return masked_mlp(
+            tokens.x,
+            tokens.x_scales,
+            tokens.num_tokens_per_expert,
             weights,
             gemm=self.gemm,
             call=call,
-            num_pairs=num_tokens * topk,
+            num_pairs=max(num_tokens, max_m) * topk,  # T * k routed here; DeepEP: R * T_max * k
             act_quant_impl=self.act_quant_impl,
             expected_m=expected_m,
-        )
-        flat = y.reshape(-1, y.shape[-1])
-        return layouts.unpermute_reference(
-            flat, lay.inverse, prepared.topk_weights, out_dtype=call.out_dtype
         )

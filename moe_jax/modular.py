@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from moe_jax import quant
 from moe_jax.experts import Experts, ExpertsCall, ExpertWeights
 from moe_jax.moe_inputs import check_moe_inputs
-from moe_jax.prepare_finalize import PreparedTokens, PrepareFinalize
+from moe_jax.prepare_finalize import ActivationFormat, PreparedTokens, PrepareFinalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +30,10 @@ class ModularMoE:
 
     Attributes:
       prepare_finalize: e.g. `NoEPPrepareFinalize()`.
-      experts: e.g. `ContiguousExperts(gemm="xla")`.
+      experts: e.g. `ContiguousExperts(gemm="xla")`; must consume the prepare's activation format
+        (checked here, as vLLM does).
       chunk_size: run the experts over chunks of at most this many tokens (None: one chunk).
+        Masked blocks, sized by their prepare, are not chunked.
 
     Example:
       >>> from moe_jax import ContiguousExperts, NoEPPrepareFinalize
@@ -52,6 +54,15 @@ class ModularMoE:
             not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0
         ):
             raise ValueError(f"chunk_size={chunk!r} must be a positive int or None")
+        pf, fmt = type(self.prepare_finalize).__name__, self.prepare_finalize.activation_format
+        if fmt not in self.experts.activation_formats:
+            raise ValueError(
+                f"{pf} delivers the {fmt.value} activation format but {self.experts.name} consumes "
+                f"{[f.value for f in self.experts.activation_formats]}: masked prepares need "
+                "MaskedExperts"
+            )
+        if chunk is not None and fmt is ActivationFormat.MASKED:
+            raise ValueError(f"chunk_size={chunk} but {pf} delivers masked blocks: pass None")
 
     def __call__(
         self,

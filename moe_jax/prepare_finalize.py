@@ -3,12 +3,15 @@
 `prepare` turns routed tokens into what the experts consume (here: optional router-weight-on-input
 scaling and FP8 quantization; expert-parallel variants also dispatch). `finalize` turns the experts'
 output back into `[T, H]`, applying a `WeightAndReduce` object the experts choose (vLLM's split).
+A `PrepareFinalize` delivers one `ActivationFormat` (token rows, or the masked per-expert blocks of
+DeepEP low latency and `MaskedPrepareFinalize`); `ModularMoE` checks the experts consume it.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +20,16 @@ from moe_jax import act_quant, layouts, quant
 from moe_jax._pytree import pytree_dataclass
 
 
+class ActivationFormat(enum.Enum):
+    """How prepared tokens are laid out (vLLM's `FusedMoEActivationFormat`)."""
+
+    STANDARD = "standard"  # [T, H] token rows with their [T, k] routing: `PreparedTokens`
+    MASKED = "masked"  # [E_local, max_m, H] per-expert blocks and counts: `MaskedTokens`
+
+
 @pytree_dataclass
 class PreparedTokens:
-    """Tokens as the experts will see them.
+    """Tokens as the experts will see them, in the standard format (token rows).
 
     Attributes:
       x: [T, H] activations: the hidden dtype, or float8_e4m3fn when quantized.
@@ -28,10 +38,27 @@ class PreparedTokens:
       topk_weights: float32[T, k] weights still to apply (ones after weight-on-input).
     """
 
+    activation_format = ActivationFormat.STANDARD
     x: jax.Array
     x_scales: jax.Array | None
     topk_ids: jax.Array
     topk_weights: jax.Array
+
+
+@pytree_dataclass
+class MaskedTokens(PreparedTokens):
+    """Tokens in the masked format: block e holds the rows routed to local expert e.
+
+    Attributes:
+      x: [E_local, max_m, H] blocks (FP8 with x_scales float32[E_local, max_m, H // 128]); rows
+        at or past num_tokens_per_expert[e] are unspecified (DeepEP leaves them stale).
+      topk_ids, topk_weights: the [T, k] routing given to `prepare`; the experts return unweighted
+        blocks, and `finalize` applies these weights (as DeepEP's low-latency combine does).
+      num_tokens_per_expert: int32[E_local] valid rows per block (DeepGEMM's masked_m).
+    """
+
+    activation_format = ActivationFormat.MASKED
+    num_tokens_per_expert: jax.Array
 
 
 class WeightAndReduce(abc.ABC):
@@ -52,7 +79,13 @@ class AlreadyReduced(WeightAndReduce):
 
 
 class PrepareFinalize(abc.ABC):
-    """Before and after the experts: `NoEPPrepareFinalize`; expert-parallel variants dispatch."""
+    """Before and after the experts: `NoEPPrepareFinalize`; expert-parallel variants dispatch.
+
+    `activation_format` is the format `prepare` delivers (`MaskedTokens` for MASKED); a
+    masked-format `finalize` weights and sums the blocks itself and ignores `weight_and_reduce`.
+    """
+
+    activation_format = ActivationFormat.STANDARD
 
     @abc.abstractmethod
     def prepare(
@@ -114,3 +147,83 @@ class NoEPPrepareFinalize(PrepareFinalize):
 
     def finalize(self, expert_output, prepared, weight_and_reduce, *, out_dtype):
         return weight_and_reduce.apply(expert_output, prepared.topk_weights, out_dtype=out_dtype)
+
+
+@pytree_dataclass
+class LocalMaskedTokens(MaskedTokens):
+    """`MaskedTokens` with `inverse`: int32[T, k] flat row of each (token, slot), -1 for none
+    (`layouts.MaskedLayout.inverse`)."""
+
+    inverse: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class MaskedPrepareFinalize(PrepareFinalize):
+    """The masked format in pure JAX: DeepEP low latency's layout on one rank (vLLM's
+    BatchedPrepareAndFinalize). `MaskedExperts` uses it on [T, H] tokens; CPU tests use it.
+
+    `prepare` scales and quantizes as `NoEPPrepareFinalize`, then copies each token into the block
+    of each local expert it picks, in token order (a token repeating an expert takes one row);
+    `finalize` sums each token's rows times its weights in float32.
+
+    Attributes:
+      num_experts: E_local, the number of blocks.
+      max_m: rows per block; None means T, which never drops. A smaller value drops the (token,
+        expert) rows past it, in token order.
+      expert_map: int[E_global] global -> local expert (-1: not here), or None: ids outside
+        [0, num_experts) go nowhere.
+      quant_impl: as `NoEPPrepareFinalize`.
+
+    Example:
+      >>> pf = MaskedPrepareFinalize(num_experts=2)
+      >>> ids = jnp.array([[1, 1], [0, -1], [1, 0]])
+      >>> tokens = pf.prepare(jnp.ones((3, 4)), jnp.ones((3, 2)), ids,
+      ...                     quant_config=None, apply_router_weight_on_input=False)
+      >>> tokens.x.shape, tokens.num_tokens_per_expert.tolist(), tokens.inverse.tolist()
+      ((2, 3, 4), [2, 2], [[3, 3], [0, -1], [4, 1]])
+    """
+
+    activation_format = ActivationFormat.MASKED
+    num_experts: int
+    max_m: int | None = None
+    expert_map: jax.Array | None = None
+    quant_impl: str = "auto"
+
+    def prepare(
+        self, hidden_states, topk_weights, topk_ids, *, quant_config, apply_router_weight_on_input
+    ):
+        tokens = NoEPPrepareFinalize(self.quant_impl).prepare(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            quant_config=quant_config,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
+        return self.blocks(tokens)
+
+    def blocks(self, tokens: PreparedTokens) -> LocalMaskedTokens:
+        """Standard-format tokens -> their blocks (`layouts.masked_layout_reference`)."""
+        max_m = max(tokens.x.shape[0], 1) if self.max_m is None else self.max_m
+        lay = layouts.masked_layout_reference(
+            tokens.x,
+            tokens.topk_ids,
+            num_experts=self.num_experts,
+            max_m=max_m,
+            x_scales=tokens.x_scales,
+            expert_map=self.expert_map,
+        )
+        return LocalMaskedTokens(
+            x=lay.rows,
+            x_scales=lay.row_scales,
+            topk_ids=tokens.topk_ids,
+            topk_weights=tokens.topk_weights,
+            num_tokens_per_expert=lay.num_tokens_per_expert,
+            inverse=lay.inverse,
+        )
+
+    def finalize(self, expert_output, prepared, weight_and_reduce, *, out_dtype):
+        del weight_and_reduce  # the masked format's finalize weights (class docstring)
+        flat = expert_output.reshape(-1, expert_output.shape[-1])
+        return layouts.unpermute_reference(
+            flat, prepared.inverse, prepared.topk_weights, out_dtype=out_dtype
+        )

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax import ContiguousExperts, ModularMoE, distributed, fused_moe, quant
+from moe_jax import ContiguousExperts, MaskedExperts, ModularMoE, distributed, fused_moe, quant
 from moe_jax.cli.timing import time_calls
 from moe_jax.ep_api import ep_fused_moe
 from moe_jax.expert_parallel import expert_map_for_rank
@@ -85,6 +85,17 @@ def local_slices(ctx, x, w1, w2, scales, weights, ids):
     return x[tok], ew, weights[tok], ids[tok], tok
 
 
+def jitted_layer(layer: ModularMoE, **kwargs):
+    """`layer` under jax.jit on (x, this rank's `ExpertWeights`, topk_weights, topk_ids)."""
+
+    def run(x, ew, w, ids):
+        return layer(
+            x, ew.w1, ew.w2, w, ids, w1_scale=ew.w1_scale, w2_scale=ew.w2_scale, **kwargs
+        )  # fmt: skip
+
+    return jax.jit(run)
+
+
 def run_high_throughput(ctx, args, torch) -> None:
     n = ctx.num_processes
     x, w1, w2, scales, weights, ids = global_problem(
@@ -102,14 +113,7 @@ def run_high_throughput(ctx, args, torch) -> None:
             dep_ht.DeepEPHighThroughput(buffer=buffer, problem=problem), ContiguousExperts()
         )
         expert_map = expert_map_for_rank(args.experts, n, ctx.process_id)
-
-        def ep_layer(x, ew, w, ids):
-            return layer(
-                x, ew.w1, ew.w2, w, ids, expert_map=expert_map,
-                w1_scale=ew.w1_scale, w2_scale=ew.w2_scale,
-            )  # fmt: skip
-
-        ep_layer = jax.jit(ep_layer)
+        ep_layer = jitted_layer(layer, expert_map=expert_map)
         out = ep_layer(xr, ew, wr, idr)
         ref = fused_moe(x, w1, w2, weights, ids, **scales)[tok]
         err = rel_error(out, ref)
@@ -183,7 +187,7 @@ def run_low_latency(ctx, args, torch) -> None:
     buffer = dep_ll.make_low_latency_buffer(ctx.group, problem)
     try:
         ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem)
-        layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
+        layer = jitted_layer(ModularMoE(ll, MaskedExperts()))
         out = layer(xr, ew, wr, idr)
         ref = fused_moe(x, w1, w2, weights, ids, **scales)[tok]
         err = rel_error(out, ref)
@@ -229,7 +233,7 @@ def run_low_latency_graph(ctx, problem, buffer, inputs, ref, direct_us) -> None:
     xr, ew, wr, idr, y = inputs
     ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, command_buffer_compatible=True)
     ll.warm_up()  # collective: every rank
-    layer = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))
+    layer = jitted_layer(ModularMoE(ll, MaskedExperts()))
     err = rel_error(layer(xr, ew, wr, idr), ref)
     report(ctx, check="ll_graph_vs_fused_moe", rel_error=err, ok=err < 5e-2)
     if not err < 5e-2:

@@ -3,10 +3,10 @@
 DeepEP needs a torch process group, which this pytest process (JAX already started) cannot join
 through `jax.distributed`; so the test launches `benchmarks/deep_ep_ll_bench.py --quick` as one
 process through `python -m moe_jax.distributed`. Its checks: a moe_jax dispatch's valid rows,
-scales and counts equal a direct DeepEP dispatch's, and `deep_ep_ll_moe` (DeepEP FP8 dispatch,
-masked DeepGEMM, DeepEP combine) matches single-device `fused_moe` within 5e-2 relative error
-(vLLM's FP8 bound; measured 1.2e-2 on an H200). The command-buffer mode runs the same way
-(`--graph`).
+scales and counts equal a direct DeepEP dispatch's, and `ModularMoE(DeepEPLowLatency,
+MaskedExperts)` (DeepEP FP8 dispatch, masked DeepGEMM, DeepEP combine) matches single-device
+`fused_moe` within 5e-2 relative error (vLLM's FP8 bound). The command-buffer mode runs the same
+way (`--graph`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax import ContiguousExperts, ExpertsCall, ExpertWeights, fused_moe, quant
+from moe_jax import (
+    ContiguousExperts,
+    ExpertWeights,
+    MaskedExperts,
+    ModularMoE,
+    fused_moe,
+    layouts,
+    quant,
+)
 from moe_jax.expert_parallel import expert_map_for_rank
+from moe_jax.experts import ExpertsCall
 from moe_jax.interop import deep_ep_layouts as dl
+from moe_jax.prepare_finalize import MaskedTokens
 
 R, E, T_RANK, K, H, INTER = 4, 8, 3, 3, 128, 128
 E_LOCAL = E // R
@@ -93,7 +103,7 @@ def test_ht_receive_rewrite_and_combine_equal_fused_moe(fp8):
             num_local_experts=E_LOCAL,
             num_experts=E,
         )
-        counts = dl.ht_num_tokens_per_expert(jnp.asarray(recv_idx), E_LOCAL)
+        counts = layouts.count_expert_num_tokens(jnp.asarray(recv_idx), E_LOCAL)
         expected_counts = [np.sum(ids[tokens] == r * E_LOCAL + e) for e in range(E_LOCAL)]
         assert counts.tolist() == expected_counts
         partial = ContiguousExperts(gemm="xla").apply(
@@ -134,18 +144,24 @@ def test_ll_masked_layout_scales_and_combine_equal_fused_moe(fp8):
         if fp8:
             q, s = quant.per_token_group_quant_fp8(jnp.nan_to_num(rows.astype(jnp.float32)))
             rows = jnp.where(jnp.isnan(rows), jnp.nan, q.astype(jnp.float32)).astype(q.dtype)
-            storage = dl.ll_scales_to_storage(jnp.where(jnp.isnan(rows[..., ::128]), jnp.nan, s))
+            storage = jnp.swapaxes(jnp.where(jnp.isnan(rows[..., ::128]), jnp.nan, s), 1, 2)
             assert storage.shape == (E_LOCAL, H // 128, t_tot)
             row_scales = dl.ll_scales_from_storage(storage)
-        y = dl.masked_experts_forward(
-            rows,
-            row_scales,
-            jnp.asarray(counts),
-            local_weights(w1, w2, scales, r),
-            call=ExpertsCall(quant_config=quant_config, out_dtype=jnp.bfloat16),
-            num_pairs=x.shape[0] * K,
-            expected_m=dl.ll_expected_m(x.shape[0], K, E, t_tot),
+        sent = slice(r * T_RANK, (r + 1) * T_RANK)  # the tokens rank r dispatched
+        tokens = MaskedTokens(
+            x=rows,
+            x_scales=row_scales,
+            topk_ids=jnp.asarray(ids[sent]),
+            topk_weights=weights[sent],
+            num_tokens_per_expert=jnp.asarray(counts),
         )
+        y = MaskedExperts(gemm="xla").apply(
+            tokens,
+            local_weights(w1, w2, scales, r),
+            expert_map=None,
+            call=ExpertsCall(quant_config=quant_config, out_dtype=jnp.bfloat16),
+        )
+        assert y.shape == (E_LOCAL, t_tot, H)
         for (t, j), (e, row) in row_of.items():  # LL combine: weighted sum of valid rows only
             assert not np.isnan(np.asarray(y[e, row], np.float32)).any()
             total[t] += float(weights[t, j]) * np.asarray(y[e, row], np.float64)
@@ -168,11 +184,9 @@ def test_ll_scale_views_and_stale_rows():
     storage = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)  # [E, G, T]
     view = dl.ll_scales_from_storage(storage)
     assert view.shape == (2, 5, 3) and float(view[1, 4, 2]) == float(storage[1, 2, 4])
-    np.testing.assert_array_equal(dl.ll_scales_to_storage(view), storage)
     cleared = dl.ll_clear_stale_rows(jnp.full((2, 4, 3), jnp.nan), jnp.array([1, 3]))
     assert np.isnan(cleared[0, 0]).all() and (cleared[0, 1:] == 0).all()
     assert np.isnan(cleared[1, :3]).all() and (cleared[1, 3] == 0).all()
-    assert dl.ll_expected_m(128, 8, 32, 256) == 32 and dl.ll_expected_m(1, 1, 64, 256) == 16
 
 
 def test_dispatch_ids_and_limits():
@@ -228,6 +242,11 @@ def test_adapters_refuse_unsupported_problems_before_touching_deep_ep():
             buffer=None, problem=dl.DeepEPProblem(num_ranks=8, **problem), recv_copy="some"
         )
     assert dl.DeepEPProblem(num_ranks=8, **problem).num_local_experts == 8
+    ll = dep_ll.DeepEPLowLatency(buffer=None, problem=dl.DeepEPProblem(num_ranks=8, **problem))
+    with pytest.raises(ValueError, match="DeepEPLowLatency delivers the masked activation format"):
+        ModularMoE(ll, ContiguousExperts())
+    with pytest.raises(ValueError, match="chunk_size=64 but DeepEPLowLatency delivers masked"):
+        ModularMoE(ll, MaskedExperts(), chunk_size=64)
 
 
 def test_ll_receive_copy_is_chosen_through_its_registry():
@@ -344,8 +363,12 @@ class FakeLowLatencyBuffer:
         return out, None, None
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatch):
+@pytest.mark.parametrize(
+    "fp8,topk", [(False, 2), (True, 2), (False, 1)], ids=["bf16", "fp8", "bf16-weight_on_input"]
+)
+def test_ll_moe_through_modular_moe_with_a_fake_deep_ep_equals_fused_moe(fp8, topk, monkeypatch):
+    """ModularMoE(DeepEPLowLatency, MaskedExperts) under jit: one dispatch and one combine, the
+    result within bf16/FP8 tolerance of fused_moe."""
     torch = pytest.importorskip("torch", reason="the DeepEP adapters call DeepEP through torch")
     import sys
     import types
@@ -354,13 +377,14 @@ def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatc
 
     monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(topk_idx_t=torch.int64))
     rng = np.random.default_rng(7)
-    num_tokens, num_experts, topk, hidden, inter, t_max = 5, 4, 2, 2048, 128, 8
+    num_tokens, num_experts, hidden, inter, t_max = 5, 4, 2048, 128, 8
+    on_input = topk == 1
     ids = np.stack([rng.permutation(num_experts)[:topk] for _ in range(num_tokens)])
-    ids[3, 1] = -1  # a slot routed nowhere
+    ids[3, -1] = -1  # a slot routed nowhere
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
     w1 = jnp.asarray(rng.standard_normal((num_experts, 2 * inter, hidden)) / 45, jnp.float32)
     w2 = jnp.asarray(rng.standard_normal((num_experts, hidden, inter)) / 11, jnp.float32)
-    weights = jnp.asarray(rng.random((num_tokens, topk)), jnp.float32)
+    weights = jnp.asarray(rng.random((num_tokens, topk)) * (3 if on_input else 1), jnp.float32)
     scales = {}
     if fp8:
         w1, scales["w1_scale"] = quant.per_block_quant_fp8(w1)
@@ -377,17 +401,15 @@ def test_ll_moe_through_jit_with_a_fake_deep_ep_equals_fused_moe(fp8, monkeypatc
         num_topk=topk,
     )
     ll = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, use_fp8=fp8)
-    expert_weights = ExpertWeights(
-        w1=w1, w2=w2, w1_scale=scales.get("w1_scale"), w2_scale=scales.get("w2_scale")
-    )
-    out = jax.jit(lambda *a: dep_ll.deep_ep_ll_moe(*a, ll=ll))(
-        x, expert_weights, weights, jnp.asarray(ids, jnp.int32)
-    )
+    layer = ModularMoE(ll, MaskedExperts(gemm="xla"))
+    ids = jnp.asarray(ids, jnp.int32)
+    kwargs = dict(apply_router_weight_on_input=on_input, **scales)
+    out = jax.jit(lambda *a: layer(*a, **kwargs))(x, w1, w2, weights, ids)
     # The callbacks run when XLA executes the program, which is asynchronous to this thread (on
     # a GPU the combine had not run yet when the call returned): wait for the result first.
     out = jax.block_until_ready(out)
     assert buffer.calls == ["dispatch", "combine"]
-    expected = fused_moe(x, w1, w2, weights, jnp.asarray(ids), experts="xla", **scales)
+    expected = fused_moe(x, w1, w2, weights, ids, experts="xla", **kwargs)
     out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
     error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
     assert error < (3e-2 if fp8 else 1e-2), error
