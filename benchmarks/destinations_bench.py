@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernel_gaps
-from moe_jax import expert_rank, kernels, layouts
+from moe_jax import expert_rank, layouts
 from moe_jax.cli import timing
+from moe_jax.kernels import routing_metadata as metadata_kernel
 from moe_jax.kernels.routing_metadata import heuristic_config as metadata_heuristic
 
 ALIGNMENT = layouts.DEFAULT_ALIGNMENT
@@ -116,7 +117,7 @@ def metadata_candidates(shape: Shape, interpret: bool) -> dict[str, Callable]:
             configs["pallas " + " ".join(f"{k}={v}" for k, v in change.items())] = config
     for name, config in configs.items():
         out[name] = functools.partial(
-            kernels.routing_metadata, **kwargs, config=config, interpret=interpret
+            metadata_kernel.routing_metadata, **kwargs, config=config, interpret=interpret
         )
     return out
 

@@ -37,9 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernel_report
-from moe_jax import act_quant, kernels, layouts
+from moe_jax import act_quant, layouts
 from moe_jax import permute as permute_op
 from moe_jax.cli.timing import time_calls
+from moe_jax.kernels import act_quant as act_quant_kernels
+from moe_jax.kernels import permute as permute_kernel
+from moe_jax.kernels import routing_metadata as metadata_kernel
+from moe_jax.kernels import unpermute as unpermute_kernel
 from moe_jax.kernels.act_quant import heuristic_config as act_quant_heuristic
 from moe_jax.kernels.permute import heuristic_config as permute_heuristic
 from moe_jax.kernels.routing_metadata import heuristic_config as metadata_heuristic
@@ -175,7 +179,7 @@ def _bench_permute(shape, x, q, scales, ids, *, impl, sweep, timer, copy_gbs):
                     (
                         str(config),
                         functools.partial(
-                            kernels.permute,
+                            _permute_with,
                             num_experts=E,
                             x_scales=xscales,
                             config=config,
@@ -201,6 +205,15 @@ def _bench_permute(shape, x, q, scales, ids, *, impl, sweep, timer, copy_gbs):
             )
         )
     return rows
+
+
+def _permute_with(x, ids, *, num_experts, x_scales, config, interpret):
+    """The permute with the copy kernel at `config`: route (XLA), then `gather_rows`."""
+    lay = permute_op.route(ids, num_experts=num_experts)
+    rows, row_scales = permute_kernel.gather_rows(
+        x, x_scales, lay.sources, config=config, interpret=interpret
+    )
+    return dataclasses.replace(lay, rows=rows, row_scales=row_scales, sources=None)
 
 
 def _failed_row(kernel: str, shape, error: Exception, copy_gbs: float) -> dict:
@@ -235,7 +248,7 @@ def _bench_metadata(shape, ids, *, impl, sweep, timer, copy_gbs):
                     (
                         str(config),
                         functools.partial(
-                            kernels.routing_metadata,
+                            metadata_kernel.routing_metadata,
                             **shared,
                             config=config,
                             interpret=impl == "pallas_interpret",
@@ -280,7 +293,9 @@ def _bench_unpermute(shape, x, ids, weights, rng, *, impl, sweep, timer, copy_gb
                 (
                     str(config),
                     functools.partial(
-                        kernels.unpermute, config=config, interpret=impl == "pallas_interpret"
+                        unpermute_kernel.unpermute,
+                        config=config,
+                        interpret=impl == "pallas_interpret",
                     ),
                 )
             )
@@ -320,12 +335,12 @@ def _bench_quant(shape, x, rng, *, impl, sweep, timer, copy_gbs):
     ids = jnp.concatenate([jnp.zeros(used, jnp.int32), jnp.full(padding, -1, jnp.int32)])
     rows = []
     cases = [
-        ("group_quant", act_quant.group_quant, kernels.group_quant, x, {}),
-        ("act_and_quant", act_quant.act_and_quant, kernels.act_and_quant, h, {}),
+        ("group_quant", act_quant.group_quant, act_quant_kernels.group_quant, x, {}),
+        ("act_and_quant", act_quant.act_and_quant, act_quant_kernels.act_and_quant, h, {}),
         (
             "act_and_quant ids",
             act_quant.act_and_quant,
-            kernels.act_and_quant,
+            act_quant_kernels.act_and_quant,
             h_padded,
             {"expert_ids": ids},
         ),

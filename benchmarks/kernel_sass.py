@@ -69,6 +69,7 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     grouped GEMM1 of DeepSeek-V3 at T=8 and T=2048 (the latter also without
     `GroupedGemmConfig.is_fp8_wgmma`)."""
     from moe_jax import layouts
+    from moe_jax import permute as moe_permute
 
     # The modules, not the functions `moe_jax.kernels` exports under the same names.
     act_quant = importlib.import_module("moe_jax.kernels.act_quant")
@@ -89,7 +90,8 @@ def _kernel_calls() -> dict[str, Callable[[], tuple[Callable, tuple]]]:
 
     def permute_fp8():
         def fn(x, scales, ids):
-            return permute.permute(x, ids, num_experts=32, x_scales=scales).rows
+            sources = moe_permute.route(ids, num_experts=32).sources
+            return permute.gather_rows(x, scales, sources)[0]
 
         return fn, (
             spec((4096, 7168), jnp.float8_e4m3fn),

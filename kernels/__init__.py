@@ -1,33 +1,11 @@
-"""Pallas GPU kernels (Triton backend): permute, unpermute (weight-and-reduce), token counting,
-the contiguous layout's routing metadata,
-FP8 group quantization (alone and fused after act(gate) * up), a grouped GEMM for few rows per
-expert (decode), and the grouped weight gradient of the training step.
+"""Pallas GPU kernels, one module each, imported by name (`moe_jax.kernels.permute`, ...) and
+only when used: the fronts in `moe_jax` list them lazily, so importing `moe_jax` or running it on
+a CPU imports none of them, nor JAX's Triton or Mosaic GPU backends.
 
-Installed as `moe_jax.kernels`; each kernel runs in interpret mode on CPU with `interpret=True`.
+Pallas Triton: `permute` (row gather), `unpermute` (weighted gather-sum), `count` (tokens per
+expert), `routing_metadata` (the contiguous layout's routing), `act_quant` (FP8 group
+quantization, alone and after act(gate) * up), `grouped_gemm` (decode grouped GEMM), `wgrad`
+(grouped weight gradient). Mosaic GPU: `mosaic_gemm`, `mosaic_fp8_gemm` (with
+`mosaic_fp8_gather`), `mosaic_wgrad`. Each kernel runs in interpret mode on a CPU with
+`interpret=True`.
 """
-
-from moe_jax.kernels.act_quant import ActQuantConfig, act_and_quant, group_quant
-from moe_jax.kernels.count import CountConfig, count_expert_num_tokens
-from moe_jax.kernels.grouped_gemm import GroupedGemmConfig, grouped_gemm_contiguous
-from moe_jax.kernels.permute import PermuteConfig, permute
-from moe_jax.kernels.routing_metadata import RoutingMetadataConfig, routing_metadata
-from moe_jax.kernels.unpermute import UnpermuteConfig, unpermute
-from moe_jax.kernels.wgrad import WgradConfig, grouped_wgrad
-
-__all__ = [
-    "ActQuantConfig",
-    "CountConfig",
-    "GroupedGemmConfig",
-    "PermuteConfig",
-    "RoutingMetadataConfig",
-    "UnpermuteConfig",
-    "WgradConfig",
-    "act_and_quant",
-    "count_expert_num_tokens",
-    "group_quant",
-    "grouped_gemm_contiguous",
-    "grouped_wgrad",
-    "permute",
-    "routing_metadata",
-    "unpermute",
-]

@@ -5,6 +5,9 @@ backend lowers such indexed loads and stores: Mosaic GPU's indexed TMA copies us
 a Blackwell instruction. jax 0.11 deprecates the Triton backend (deprecation id
 `jax-pallas-triton`) without a Hopper replacement for indexed copies, so `quiet_triton_deprecation`
 hides that one warning while a kernel is traced. Remove it once Mosaic GPU gathers rows on sm_90.
+
+Importing this module changes nothing in JAX: the lowering fix of `_wide_offsets` is installed
+when a kernel first builds its compiler parameters (`compiler_params`), before it lowers.
 """
 
 from __future__ import annotations
@@ -18,11 +21,7 @@ from typing import Any
 from jax.experimental.pallas import triton as plt
 
 from moe_jax.kernels import _wide_offsets
-from moe_jax.registry import FunctionImpl, OpProblem, Registry
-
-# True when Pallas Triton addresses 1-byte arrays of > 2**31 elements with int64 offsets
-# (`_wide_offsets`: an upstream bug patched at import; False only where the patch cannot apply).
-WIDE_BYTE_OFFSETS = _wide_offsets.install()
+from moe_jax.registry import FunctionImpl, OpProblem, Registry, needs_gpu
 
 _TRITON_DEPRECATION = ".*Pallas Triton backend is deprecated.*"
 
@@ -35,8 +34,17 @@ def quiet_triton_deprecation():
         yield
 
 
+def wide_byte_offsets() -> bool:
+    """True when Pallas Triton addresses 1-byte arrays of > 2**31 elements with int64 offsets:
+    installs `_wide_offsets`' fix of the lowering (once per process) and says whether it is in
+    place (False only where this JAX's lowering changed and the fix cannot apply)."""
+    return _wide_offsets.install()
+
+
 def compiler_params(*, num_warps: int, num_stages: int) -> plt.CompilerParams:
-    """Triton compiler parameters; passing them selects the Triton backend on GPU."""
+    """Triton compiler parameters; passing them selects the Triton backend on GPU. Every kernel
+    builds them before it lowers, so this is where `wide_byte_offsets` installs its fix."""
+    wide_byte_offsets()
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -69,21 +77,12 @@ def register_pallas(
     *,
     compiled_refusal: Callable[[OpProblem], str | None] | None = None,
 ) -> None:
-    """Registers `kernel` (a wrapper taking `interpret=`) as "pallas" and "pallas_interpret".
+    """Registers the compiled `kernel` (a wrapper taking `interpret=`) as "pallas": it refuses
+    platforms other than NVIDIA GPUs, and whatever `compiled_refusal` refuses. (Its interpret
+    mode, a CPU test vehicle, is registered by the tests: tests/interpret_backends.py.)"""
 
-    "pallas" is the compiled kernel: it refuses platforms other than NVIDIA GPUs, and whatever
-    `compiled_refusal` refuses. "pallas_interpret" runs the same kernel body in Pallas interpret
-    mode on any platform (the CPU tests' vehicle; "auto" never picks it).
-    """
+    def refuse(problem: OpProblem) -> str | None:
+        why = needs_gpu(problem)
+        return why if why is not None or compiled_refusal is None else compiled_refusal(problem)
 
-    def refuse_compiled(problem: OpProblem) -> str | None:
-        if problem.platform != "gpu":
-            return (
-                f"the compiled Pallas Triton kernel needs an NVIDIA GPU, not {problem.platform!r}"
-            )
-        return None if compiled_refusal is None else compiled_refusal(problem)
-
-    registry.register(
-        FunctionImpl("pallas", functools.partial(kernel, interpret=False), refuse_compiled)
-    )
-    registry.register(FunctionImpl("pallas_interpret", functools.partial(kernel, interpret=True)))
+    registry.register(FunctionImpl("pallas", functools.partial(kernel, interpret=False), refuse))

@@ -36,14 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax import layouts, quant
-from moe_jax.act_quant import ACT_QUANTS, GROUP_QUANTS, check_float_rows
-from moe_jax.activation import check_activation, gated_activation, round_to_dtype
+from moe_jax.activation import gated_activation, round_to_dtype
 from moe_jax.kernels import _triton
-from moe_jax.registry import OpProblem
-
-# Activations the compiled (Triton) kernel lowers. Exact GELU needs erf/erfc, which the Pallas
-# Triton lowering does not implement (jax 0.11.2); interpret mode runs every activation.
-COMPILED_ACTIVATIONS = ("silu",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,13 +79,8 @@ def heuristic_config(num_rows: int, num_groups: int = 1) -> ActQuantConfig:
     (decode-size calls: 128 rows x 16 groups at T=1), so each thread quantizes fewer elements
     one after the other: a program's latency, not the bytes, bounds such a call.
 
-    H200 (2026-12-02, evening, after the kernel's instruction count fell by 40%; act_and_quant
-    with the layout's expert ids as the layer calls it, host timing of back-to-back calls, three
-    alternating rounds, every config bit-equal to the others; BENCHMARKS.md): 16 rows x 2 groups
-    took shape A (36832 x 4096 bf16 in) from 108.3-111.0 us (32 rows x 1 group, the previous
-    rule) to 94.7-98.9 and shape B (81792 x 1536) from 89.6-92.9 to 76.1-79.3, the fastest of
-    6 tilings at both (16 x 1: 97-103 / 80-89; 8 x 1: 106 / 87). group_quant times at the
-    dispatch floor (37-53 us) for every tiling.
+    The fastest of 6 tilings at layer shapes A and B (BENCHMARKS.md, Thresholds:
+    `act_quant.heuristic_config`).
 
       >>> heuristic_config(36832, 16)
       ActQuantConfig(block_m=16, num_warps=4, groups_per_program=2, is_group_major=True)
@@ -383,7 +372,9 @@ def group_quant(
     """vLLM's per-token-group FP8 quantization (`quant.per_token_group_quant_fp8`) as one kernel.
 
     Args:
-      x: bf16/float16/float32[M, H] tokens; H a multiple of `group_size`.
+      x: bf16/float16/float32[M, H] tokens (M >= 1); H a positive multiple of `group_size`.
+        The front (`moe_jax.act_quant.group_quant`) checks the arguments and answers empty
+        ones itself.
       group_size: columns per scale.
       config: block sizes; None picks `heuristic_config(M, H // group_size)`.
       interpret: run in Pallas interpret mode (CPU tests).
@@ -391,19 +382,12 @@ def group_quant(
     Returns:
       (q float8_e4m3fn[M, H], scales float32[M, H // group_size]).
     """
-    check_float_rows(x, "x", group_size=group_size)
     num_rows, hidden = x.shape
-    num_groups = hidden // group_size
-    if num_rows == 0 or num_groups == 0:  # nothing to quantize: no grid to launch
-        return (
-            jnp.zeros((num_rows, hidden), quant.FP8_DTYPE),
-            jnp.zeros((num_rows, num_groups), jnp.float32),
-        )
     return _quantize_call(
         _group_quant_kernel,
         x,
         num_rows=num_rows,
-        num_groups=num_groups,
+        num_groups=hidden // group_size,
         group_size=group_size,
         column_offset=0,
         config=config,
@@ -426,8 +410,11 @@ def act_and_quant(
     """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
 
     Args:
-      h: bf16/float16/float32[M, 2I] output of the first GEMM; I a multiple of `group_size`.
-      activation: "silu", or "gelu" in interpret mode only (see COMPILED_ACTIVATIONS).
+      h: bf16/float16/float32[M, 2I] output of the first GEMM (M >= 1); I a positive multiple
+        of `group_size`. The front (`moe_jax.act_quant.act_and_quant`) checks the arguments,
+        answers empty ones itself and refuses activations the compiled kernel cannot lower.
+      activation: "silu", or "gelu" in interpret mode only
+        (`moe_jax.act_quant.COMPILED_ACTIVATIONS`).
       group_size: columns per scale (128, vLLM's block recipe).
       config: block sizes; None picks `heuristic_config(M, I // group_size)`.
       interpret: run in Pallas interpret mode (CPU tests).
@@ -441,29 +428,8 @@ def act_and_quant(
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
     """
-    check_activation(activation)
-    if not interpret and activation not in COMPILED_ACTIVATIONS:
-        raise NotImplementedError(
-            f"activation {activation!r} has no compiled act_and_quant kernel (Pallas Triton cannot "
-            f"lower erf); use one of {COMPILED_ACTIVATIONS} or the XLA path "
-            "(moe_jax.activation.act_and_mul + moe_jax.quant.per_token_group_quant_fp8)"
-        )
-    check_float_rows(h, "h", group_size=group_size, columns_per_group=2)
     num_rows, two_i = h.shape
-    if expert_ids is not None and (
-        expert_ids.shape != (num_rows,) or not jnp.issubdtype(expert_ids.dtype, jnp.integer)
-    ):
-        raise ValueError(
-            f"expert_ids.shape={expert_ids.shape} expert_ids.dtype={expert_ids.dtype} but "
-            f"int[{num_rows}] (one expert per row of h, -1 on padding) is needed"
-        )
-    inter = two_i // 2
-    num_groups = inter // group_size
-    if num_rows == 0 or num_groups == 0:  # nothing to quantize: no grid to launch
-        return (
-            jnp.zeros((num_rows, inter), quant.FP8_DTYPE),
-            jnp.zeros((num_rows, num_groups), jnp.float32),
-        )
+    num_groups = two_i // 2 // group_size
     kernel = _act_quant_all_rows_kernel if expert_ids is None else _act_quant_kernel
     return _quantize_call(
         functools.partial(kernel, activation=activation),
@@ -478,16 +444,3 @@ def act_and_quant(
         is_scales_group_major=is_scales_group_major,
         interpret=interpret,
     )
-
-
-def _refuse_compiled_activation(problem: OpProblem) -> str | None:
-    if problem.activation not in COMPILED_ACTIVATIONS:
-        return (
-            f"the compiled kernel lowers {COMPILED_ACTIVATIONS} only, not {problem.activation!r} "
-            "(Pallas Triton cannot lower erf)"
-        )
-    return None
-
-
-_triton.register_pallas(GROUP_QUANTS, group_quant)
-_triton.register_pallas(ACT_QUANTS, act_and_quant, compiled_refusal=_refuse_compiled_activation)

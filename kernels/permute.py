@@ -1,22 +1,16 @@
-"""Pallas GPU permute: tokens -> contiguous expert-major rows (`moe_jax.layouts.ContiguousLayout`).
+"""Pallas GPU row gather of the permute: rows of the contiguous layout copied from their tokens.
 
-Two steps. The routing metadata (where each (token, slot) lands, per-expert counts, which token
-feeds each output row) is O(T*k) integers from `moe_jax.permute.ROUTING_METADATA` "auto": XLA's
-fusions (on the H200 they beat the one kernel of `moe_jax.kernels.routing_metadata` except at
-layer shape A, see `moe_jax.permute.xla_routing_metadata_first`; interpret mode runs the same
-XLA ops). A
-Pallas Triton kernel then does the heavy part in gather form: one program per block of output rows
-and hidden columns reads the source token of each row and copies it, writing zeros on padding
-rows (or, with `is_padding_zeroed=False`, nothing there: 20% of the bytes at layer shape B). Every
-output element is written at most once, with no atomics, so interpret mode (CPU tests) runs the
-same program.
+`moe_jax.permute.permute` routes first (which token feeds each output row: the layout's
+`sources`) and calls `gather_rows`, the `PERMUTES` implementation "pallas". One program per
+block of output rows and hidden columns reads the source token of each row and copies it,
+writing zeros on padding rows (or, with `is_padding_zeroed=False`, nothing there). Every output
+element is written at most once, with no atomics, so interpret mode (CPU tests) runs the same
+program.
 
-Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (pairs p = token*k + slot = 0..3):
+Worked example, alignment 4, E=2, topk_ids = [[1, 0], [1, 1]] (`moe_jax.layouts`' example):
 
-    pair p          0  1  2  3        key (expert, E for invalid)   1  0  1  1
-    rank in expert  0  0  1  2        segment starts (padded)       e0: 0, e1: 4
-    dest = start[key] + rank:         inverse = [[4, 0], [5, 6]]
-    source (token per output row):    [0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1]
+    sources = [0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1]
+    out     = [x0, 0, 0, 0, x0, x1, x1, 0, 0, 0, 0, 0]
 """
 
 from __future__ import annotations
@@ -29,10 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from moe_jax import layouts
 from moe_jax.kernels import _triton
-from moe_jax.permute import PERMUTES, ROUTING_METADATA, check_permute_args, problem_for
-from moe_jax.registry import AUTO
 
 # Copies move bits: each row dtype travels as the unsigned integer of its width.
 _BITS_DTYPE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -70,8 +61,8 @@ def heuristic_config(num_rows: int, hidden: int, itemsize: int) -> PermuteConfig
     """Block sizes for copying `num_rows` rows of `hidden` elements of `itemsize` bytes.
 
     About 2 KiB of each row per program and 16 rows, so a program moves ~32 KiB; row blocks shrink
-    for tiny problems. On an H200 (jax 0.11.2, T=4096/8192, k=8, H=7168/2048) 8 warps beat 4 by
-    6% for 2-byte rows at H=2048 and lost 35% for FP8 rows there; elsewhere they tied.
+    for tiny problems; 8 warps for 2-byte rows, 4 for FP8 (BENCHMARKS.md, Thresholds: "PERMUTES,
+    UNPERMUTES `pallas_then_xla`").
     """
     block_h = _triton.hidden_block(hidden, cap=max(64, 2048 // itemsize))
     block_m = min(16, _triton.next_power_of_2(num_rows))
@@ -154,35 +145,49 @@ def _gather_rows_no_scales_kernel(source_ref, x_ref, out_ref, **kwargs):
     _gather_rows_kernel(source_ref, x_ref, None, out_ref, None, **kwargs)
 
 
-def _gather_rows(
+@functools.partial(
+    jax.jit, static_argnames=("config", "is_scales_group_major", "is_padding_zeroed", "interpret")
+)
+def gather_rows(
     x: jax.Array,
     x_scales: jax.Array | None,
-    source: jax.Array,
+    sources: jax.Array,
     *,
-    config: PermuteConfig,
-    is_scales_group_major: bool,
-    is_padding_zeroed: bool,
-    interpret: bool,
+    config: PermuteConfig | None = None,
+    is_scales_group_major: bool = False,
+    is_padding_zeroed: bool = True,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """(x[source[r]], x_scales[source[r]]), zero where source[r] < 0 (left unwritten without
-    `is_padding_zeroed`); bit-exact copies.
+    """(x[sources[r]], x_scales[sources[r]]), zero where sources[r] < 0 (left unwritten without
+    `is_padding_zeroed`); bit-exact copies (`moe_jax.layouts.gather_rows`).
 
-    With `is_scales_group_major` the row scales are written as float32[G, M] and returned as
-    their transpose [M, G], for a GEMM that reads them through that transpose (XLA cancels the
-    two, so no copy runs between the permute and GEMM1).
+    The front (`moe_jax.permute.permute`) checks the arguments and answers empty axes itself.
 
     Args:
-      x: [T, H] rows of any 1-, 2- or 4-byte dtype. x_scales: float32[T, G] or None.
-      source: int32[M] token of each output row, -1 for padding.
+      x: [T, H] rows of any 1-, 2- or 4-byte dtype; H >= 1.
+      x_scales: float32[T, G] (G >= 1) or None.
+      sources: int32[M] token of each output row (M >= 1), -1 for padding.
+      config: block sizes; None picks `heuristic_config(M, H, itemsize)`.
+      is_scales_group_major: write the row scales as float32[G, M] in memory and return their
+        transpose [M, G] (the same values), for a GEMM that reads them through that transpose
+        (`GroupedGemm.is_scales_group_major`): XLA cancels the two, so no copy runs between the
+        permute and GEMM1.
+      is_padding_zeroed: write zeros on padding rows; False leaves them as the buffer held them.
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+
+    Returns:
+      (rows [M, H] in x's dtype, row_scales float32[M, G] or None).
+
+    Example:
+      >>> rows, _ = gather_rows(jnp.array([[1.0], [2.0]]), None, jnp.array([1, -1, 0]),
+      ...                       interpret=True)
+      >>> rows.tolist()
+      [[2.0], [0.0], [1.0]]
     """
     num_tokens, hidden = x.shape
-    num_rows = source.shape[0]
-    if hidden == 0 or (x_scales is not None and x_scales.shape[1] == 0):
-        # an empty axis: the kernel's column or group block would read past it; XLA's gather
-        def gather(a):
-            return jnp.where((source >= 0)[:, None], a[jnp.clip(source, 0, num_tokens - 1)], 0)
-
-        return gather(x), None if x_scales is None else gather(x_scales)
+    num_rows = sources.shape[0]
+    if config is None:
+        config = heuristic_config(num_rows, hidden, x.dtype.itemsize)
     block_h = min(config.block_h, _triton.next_power_of_2(hidden))
     num_groups = 0 if x_scales is None else x_scales.shape[1]
     kernel = functools.partial(
@@ -215,100 +220,8 @@ def _gather_rows(
             ),
             name=f"permute_{config.block_m=}_{block_h=}_{config.num_warps=}"
             f"_{config.has_eviction_hints=}",
-        )(source, *bits)
+        )(sources, *bits)
     out = [jax.lax.bitcast_convert_type(o, a.dtype) for o, a in zip(out, operands, strict=True)]
     if x_scales is None:
         return out[0], None
     return out[0], out[1].T if is_scales_group_major else out[1]
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "num_experts",
-        "alignment",
-        "config",
-        "is_scales_group_major",
-        "is_padding_zeroed",
-        "interpret",
-    ),
-)
-def permute(
-    x: jax.Array,
-    topk_ids: jax.Array,
-    *,
-    num_experts: int,
-    x_scales: jax.Array | None = None,
-    expert_map: jax.Array | None = None,
-    alignment: int = layouts.DEFAULT_ALIGNMENT,
-    config: PermuteConfig | None = None,
-    is_scales_group_major: bool = False,
-    is_padding_zeroed: bool = True,
-    interpret: bool = False,
-) -> layouts.ContiguousLayout:
-    """Copies each token once per chosen local expert into expert-contiguous rows.
-
-    Bit-identical to `moe_jax.layouts.permute_reference`.
-
-    Args:
-      x: [T, H] tokens (bf16, float16, float32 or float8_e4m3fn).
-      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` send that copy
-        nowhere and never address memory.
-      num_experts: E, the number of local experts.
-      x_scales: optional float32[T, G] scales of FP8 tokens (G = H // 128), permuted with the rows.
-      expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
-      alignment: segment length multiple (128 for DeepGEMM).
-      config: block sizes of the copy kernel; None picks `heuristic_config(M, H, itemsize)`.
-      is_scales_group_major: write the row scales as [G, M] in memory (returned transposed, the
-        same values), for a GEMM that reads them so (`GroupedGemm.is_scales_group_major`).
-      interpret: run the Pallas kernel in interpret mode (CPU tests).
-
-    Returns:
-      `ContiguousLayout` with M = `layouts.contiguous_num_rows(T, k, E, alignment)` rows; padding
-      rows are zero and carry expert id -1.
-
-    Example:
-      >>> lay = permute(jnp.arange(4.0).reshape(2, 2), jnp.array([[1, 0], [1, 1]]),
-      ...               num_experts=2, alignment=4, interpret=True)
-      >>> lay.expert_ids.tolist(), lay.inverse.tolist(), lay.rows[4].tolist()
-      ([0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], [[4, 0], [5, 6]], [0.0, 1.0])
-    """
-    check_permute_args(x, topk_ids, num_experts, x_scales, expert_map, alignment)
-    num_tokens, topk = topk_ids.shape
-    num_rows = layouts.contiguous_num_rows(num_tokens, topk, num_experts, alignment)
-    if num_tokens * topk == 0:  # nothing to route: the layout has no rows
-        no_experts = jnp.zeros((num_experts,), jnp.int32)
-        return layouts.ContiguousLayout(
-            rows=jnp.zeros((0, x.shape[1]), x.dtype),
-            row_scales=None if x_scales is None else jnp.zeros((0, x_scales.shape[1]), jnp.float32),
-            expert_ids=jnp.zeros((0,), jnp.int32),
-            inverse=jnp.full((num_tokens, topk), -1, jnp.int32),
-            num_tokens_per_expert=no_experts,
-            expert_ends=no_experts,
-        )
-    local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    if config is None:
-        config = heuristic_config(num_rows, x.shape[1], x.dtype.itemsize)
-    meta = ROUTING_METADATA.select(AUTO, problem_for(local))(
-        local, num_experts=num_experts, alignment=alignment, num_rows=num_rows
-    )
-    rows, row_scales = _gather_rows(
-        x,
-        x_scales,
-        meta.source,
-        config=config,
-        is_scales_group_major=is_scales_group_major,
-        is_padding_zeroed=is_padding_zeroed,
-        interpret=interpret,
-    )
-    return layouts.ContiguousLayout(
-        rows=rows,
-        row_scales=row_scales,
-        expert_ids=meta.expert_ids,
-        inverse=meta.inverse,
-        num_tokens_per_expert=meta.num_tokens_per_expert,
-        expert_ends=meta.expert_ends,
-    )
-
-
-_triton.register_pallas(PERMUTES, permute)

@@ -42,19 +42,8 @@ atomics); a destinations program reads "done" atomically, meets its threads at a
 reads the histogram with volatile loads (from L2). The two counters start at zero: an int32[2]
 zeros input aliased to an output, which XLA fills before each call.
 
-Measured on the H200 (2026-12-04, 15:38-18:38 UTC session, `python scripts/destinations_bench.py
---metadata --shapes A B decode_1 decode_128`, device time per call alone, BENCHMARKS.md
-"Prefill"), against XLA's fusions (`moe_jax.layouts.routing_metadata`): layer shape A (T*k =
-32768, E=32) 13.5 us against 16.0; shape B (65536 pairs, E=128) 25.4 against 27.0; T=128 of
-DeepSeek-V3 (1024 pairs, E=256) 9.0 against 13.4; but T=1 (8 pairs, E=256) 21.8 against 8.3,
-where one program still writes the padding of all 256 experts, 16 at a time. Inside shape B's
-FP8 forward (`kernel_gaps`) it took 41.1 us (30.2 with 8 warps; XLA's metadata stage 28.4), the
-same with XLA's command buffers off, so the slowdown is not a kernel running beside it (cause not
-found). So `moe_jax.permute.ROUTING_METADATA` "auto" takes XLA everywhere and this kernel runs
-by name. The previous form (128 chunks at most, one expert's padding per step) took 43.9 us at
-B and 119 at T=1. SASS at shape B (`python -m moe_jax.cli.kernel_sass --kernels
-routing_metadata_B`): each step's one-hot over 128 experts is the bulk of a program's
-instructions, and what a faster form would cut.
+The XLA fusions of `moe_jax.layouts.routing_metadata` are `moe_jax.permute.ROUTING_METADATA`'s
+"auto" (BENCHMARKS.md, Thresholds: `xla_routing_metadata_first`); this kernel runs by name.
 """
 
 from __future__ import annotations
@@ -69,12 +58,10 @@ from jax.experimental.pallas import triton as plt
 
 from moe_jax import layouts
 from moe_jax.kernels import _triton
-from moe_jax.permute import ROUTING_METADATA
 
 _TICKETS, _DONE = 0, 1  # the two counters
-# Chunks of `block_c` pairs: at most this many. On the H200 (2026-12-04, device time alone) 256
-# chunks took 25.4 us at T*k = 65536, E=128 against 43.7 for 128 chunks and 30.9 for 512; at
-# 32768, E=32, 13.5 against 13.0 for 128 chunks and 15.6 for 512.
+# Chunks of `block_c` pairs: at most this many (fastest of 128, 256 and 512 at layer shapes A
+# and B; BENCHMARKS.md, Thresholds: `xla_routing_metadata_first`'s command).
 _MAX_CHUNKS = 256
 # Loops of up to this many steps are unrolled (their loads need not wait on each other); longer
 # ones stay loops: 32 unrolled steps (T*k = 128K pairs) took Triton over 2 minutes to compile.
@@ -416,8 +403,9 @@ def routing_metadata(
     Equal to `moe_jax.layouts.routing_metadata`.
 
     Args:
-      local_ids: int[T, k] local expert ids (`moe_jax.layouts.map_expert_ids`); ids outside
-        [0, E) go nowhere.
+      local_ids: int[T, k] local expert ids (`moe_jax.layouts.map_expert_ids`), T * k >= 1; ids
+        outside [0, E) go nowhere. The front (`moe_jax.permute.routing_metadata`) checks the
+        arguments and answers empty ids itself.
       num_experts: E, the number of local experts.
       alignment: segment length multiple (128 for DeepGEMM, 1 for none).
       num_rows: M, rows of the layout: at least `layouts.contiguous_num_rows(T, k, E, alignment)`.
@@ -434,13 +422,8 @@ def routing_metadata(
       >>> meta.inverse.tolist(), meta.source.tolist()
       ([[4, 0], [5, 6]], [0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1])
     """
-    layouts.check_routing_metadata_args(local_ids, num_experts, alignment, num_rows)
     num_tokens, topk = local_ids.shape
     num_pairs = num_tokens * topk
-    if num_pairs == 0:
-        return layouts.routing_metadata(
-            local_ids, num_experts=num_experts, alignment=alignment, num_rows=num_rows
-        )
     if config is None:
         config = heuristic_config(num_pairs, num_experts)
     # Expert lanes padded to a power of two (>= 16); ids never match the pad.
@@ -492,6 +475,3 @@ def routing_metadata(
         source=source,
         expert_ids=expert_ids,
     )
-
-
-_triton.register_pallas(ROUTING_METADATA, routing_metadata)

@@ -23,7 +23,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax.kernels import _triton
-from moe_jax.permute import UNPERMUTES, check_unpermute_args
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,8 +57,7 @@ def heuristic_config(num_tokens: int, hidden: int) -> UnpermuteConfig:
     """Block sizes for reducing `num_tokens` tokens of `hidden` columns.
 
     About 2048 columns per program (1 token x 2048 or 2 x 1024) at 8 warps: all k gathered tiles
-    are in flight at once. On an H200 (jax 0.11.2, T=4096/8192, k=8, H=7168/2048) these beat 4-8
-    tokens x 1024 at 4 warps by 9-18%.
+    are in flight at once (BENCHMARKS.md, Thresholds: "PERMUTES, UNPERMUTES `pallas_then_xla`").
     """
     block_h = _triton.hidden_block(hidden, cap=2048)
     block_t = min(max(1, 2048 // block_h), _triton.next_power_of_2(num_tokens))
@@ -138,9 +136,11 @@ def unpermute(
     the compiler may fuse a product and a sum into one rounding).
 
     Args:
-      y: [M, H] expert outputs in row layout (bf16, float16 or float32); any H.
-      inverse: int32[T, k] row of each (token, slot) in y, -1 for a slot routed nowhere.
-        Rows must lie in [-1, M); the kernel clamps them, so it never reads out of bounds.
+      y: [M, H] expert outputs in row layout (bf16, float16 or float32); M, H >= 1.
+      inverse: int32[T, k] (T, k >= 1) row of each (token, slot) in y, -1 for a slot routed
+        nowhere. Rows must lie in [-1, M); the kernel clamps them, so it never reads out of
+        bounds. The front (`moe_jax.permute.unpermute`) checks the arguments and answers empty
+        axes itself.
       topk_weights: float[T, k] weights, or None when they were already applied.
       out_dtype: output dtype; defaults to y.dtype.
       config: block sizes; None picks `heuristic_config(T, H)`.
@@ -155,12 +155,9 @@ def unpermute(
       ...           jnp.array([[0.5, 2.0], [1.0, -1.0]]), interpret=True).tolist()
       [[2.0, 4.5], [-2.0, -3.0]]
     """
-    check_unpermute_args(y, inverse, topk_weights)
     out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
     num_tokens, topk = inverse.shape
     num_rows, hidden = y.shape
-    if num_tokens == 0 or num_rows == 0 or hidden == 0 or topk == 0:
-        return jnp.zeros((num_tokens, hidden), out_dtype)
     if config is None:
         config = heuristic_config(num_tokens, hidden)
     block_h = min(config.block_h, _triton.next_power_of_2(hidden))
@@ -192,6 +189,3 @@ def unpermute(
             name=f"unpermute_{config.block_t=}_{block_h=}_{config.num_warps=}"
             f"_{config.has_eviction_hints=}",
         )(*operands, y)
-
-
-_triton.register_pallas(UNPERMUTES, unpermute)

@@ -6,11 +6,12 @@
   second GEMM, fused into one pass where a kernel exists.
 
 Implementations, chosen by `impl` through `moe_jax.registry`: "xla" (`moe_jax.quant` and
-`moe_jax.activation`, everywhere), "pallas" (`moe_jax.kernels.act_quant`, NVIDIA GPUs; the
-compiled act + quant kernel lowers silu only), "pallas_interpret" (CPU tests), and "auto"
-("pallas" on a GPU where it runs, else "xla"). Neither op is differentiable (they serve FP8
-inference weights; the FP8 training recipe quantizes inside its GEMMs' VJPs): differentiating
-one raises a TypeError that says how to train.
+`moe_jax.activation`, everywhere), "pallas" (`moe_jax.kernels.act_quant`, NVIDIA GPUs, imported
+when it first runs; the compiled act + quant kernel lowers `COMPILED_ACTIVATIONS` only), and
+"auto" ("pallas" on a GPU where it runs, else "xla"). The fronts check the arguments once and
+answer empty inputs (no rows or no groups) with XLA's empty arrays. Neither op is differentiable
+(they serve FP8 inference weights; the FP8 training recipe quantizes inside its GEMMs' VJPs):
+differentiating one raises a TypeError that says how to train.
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import quant
-from moe_jax.activation import act_and_mul
+from moe_jax.activation import act_and_mul, check_activation
 from moe_jax.registry import (
     AUTO,
     FunctionImpl,
     OpProblem,
     Registry,
     current_platform,
+    lazy,
+    needs_gpu,
     pallas_then_xla,
 )
 from moe_jax.routing import require_int
 
-_KERNELS = "moe_jax.kernels.act_quant"
+# Activations the compiled (Triton) act + quant kernel lowers. Exact GELU needs erf/erfc, which
+# the Pallas Triton lowering does not implement (jax 0.10-0.11); interpret mode runs every one.
+COMPILED_ACTIVATIONS = ("silu",)
 
 
 def group_quant_reference(x: jax.Array, *, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
@@ -56,16 +61,8 @@ def act_and_quant_reference(
     return quant.per_token_group_quant_fp8(act_and_mul(h, activation), group_size)
 
 
-GROUP_QUANTS = Registry(
-    "group_quant",
-    preference=pallas_then_xla,
-    modules={"pallas": _KERNELS, "pallas_interpret": _KERNELS},
-)
-ACT_QUANTS = Registry(
-    "act_and_quant",
-    preference=pallas_then_xla,
-    modules={"pallas": _KERNELS, "pallas_interpret": _KERNELS},
-)
+GROUP_QUANTS = Registry("group_quant", preference=pallas_then_xla)
+ACT_QUANTS = Registry("act_and_quant", preference=pallas_then_xla)
 # Quantization to FP8 feeds only the float8_e4m3fn expert weights path (the FP8 training recipe
 # quantizes inside its own GEMM VJPs), so the ops are not differentiable: JAX would otherwise try
 # to differentiate the Pallas kernels' bodies (inline PTX has no derivative rule).
@@ -94,8 +91,24 @@ def without_gradient(fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]]):
     return call
 
 
+def _refuse_compiled(problem: OpProblem) -> str | None:
+    why = needs_gpu(problem)
+    if why is None and problem.activation not in (None, *COMPILED_ACTIVATIONS):
+        why = (
+            f"the compiled kernel lowers {COMPILED_ACTIVATIONS} only, not {problem.activation!r} "
+            "(Pallas Triton cannot lower erf)"
+        )
+    return why
+
+
 GROUP_QUANTS.register(FunctionImpl("xla", group_quant_reference))
+GROUP_QUANTS.register(
+    FunctionImpl("pallas", lazy("moe_jax.kernels.act_quant:group_quant"), _refuse_compiled)
+)
 ACT_QUANTS.register(FunctionImpl("xla", act_and_quant_reference))
+ACT_QUANTS.register(
+    FunctionImpl("pallas", lazy("moe_jax.kernels.act_quant:act_and_quant"), _refuse_compiled)
+)
 
 
 def check_float_rows(x: jax.Array, name: str, *, group_size: int, columns_per_group: int = 1):
@@ -119,7 +132,7 @@ def group_quant(
     Args:
       x: bf16/float16/float32[M, H] tokens; H a multiple of `group_size`.
       group_size: columns per scale.
-      impl: "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
+      impl: "auto", "xla", "pallas" or an implementation object (`GROUP_QUANTS`).
 
     Returns:
       (q float8_e4m3fn[M, H], scales float32[M, H // group_size]).
@@ -132,6 +145,8 @@ def group_quant(
     check_float_rows(x, "x", group_size=group_size)
     problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
     chosen = GROUP_QUANTS.select(impl, problem)
+    if x.size == 0:  # no rows or no groups: nothing to quantize, no kernel launch
+        chosen = GROUP_QUANTS.get("xla")
     return without_gradient(lambda v: chosen(v, group_size=group_size))(x)
 
 
@@ -166,13 +181,21 @@ def act_and_quant(
     Raises:
       TypeError: when differentiated (see NO_GRADIENT_MESSAGE).
     """
+    check_activation(activation)
     check_float_rows(h, "h", group_size=group_size, columns_per_group=2)
-    if expert_ids is not None and expert_ids.shape != (h.shape[0],):
-        raise ValueError(f"expert_ids.shape={expert_ids.shape} but [M={h.shape[0]}] is needed")
+    if expert_ids is not None and (
+        expert_ids.shape != (h.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"expert_ids.shape={expert_ids.shape} expert_ids.dtype={expert_ids.dtype} but "
+            f"int[{h.shape[0]}] (one expert per row of h, -1 on padding) is needed"
+        )
     problem = OpProblem(
         platform=current_platform(), dtype=jnp.dtype(h.dtype).name, activation=activation
     )
     chosen = ACT_QUANTS.select(impl, problem)
+    if h.size == 0:  # no rows or no groups: nothing to quantize, no kernel launch
+        chosen = ACT_QUANTS.get("xla")
     return without_gradient(
         lambda v: chosen(
             v,

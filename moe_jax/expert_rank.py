@@ -1,21 +1,10 @@
 """Rank of each routed (token, slot) pair among the earlier pairs of its expert, in pure JAX.
 
 `moe_jax.layouts.contiguous_destinations` places pair p at row `start[expert] + rank[p]`; every
-method here returns the same bits (rank, and the pairs per expert), at different costs on a GPU.
-Measured on the H200 (2026-12-02, `python scripts/destinations_bench.py`, device time of the
-whole `contiguous_destinations` from a profile, BENCHMARKS.md "Prefill"):
-
-| pairs P (E) | pairwise | blocked B=256 | cumsum | sorted |
-|---|---|---|---|---|
-| 8 (256) | 4.8 us | 4.8 | 6.2 | 9.6 |
-| 1024 (256) | 9.8 | 11.4 | 16.6 | 20.0 |
-| 4096 (256) | 17.7 | 21.6 | 20.4 | 47.1 |
-| 16384 (256) | 87.9 | 15.4 | 33.0 | 62.0 |
-| 32768 (32) | | 11.7 | 17.2 | 42.1 |
-| 65536 (128) | | 21.4 | 50.1 | 51.3 |
-
-so `method_for` takes "pairwise" up to `PAIRWISE_MAX_PAIRS` and "blocked" above; "cumsum" (the
-form used above 512 pairs before) and "sorted" stay for the benchmark to compare.
+method here returns the same bits (rank, and the pairs per expert), at different costs on a GPU:
+`method_for` takes "pairwise" up to `PAIRWISE_MAX_PAIRS` and "blocked" above (BENCHMARKS.md,
+Thresholds: `PAIRWISE_MAX_PAIRS`); "cumsum" and "sorted" stay for
+`benchmarks/destinations_bench.py` to compare.
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-PAIRWISE_MAX_PAIRS = 4096  # up to here one [P, P] compare is fastest (table above)
+PAIRWISE_MAX_PAIRS = 4096  # up to here one [P, P] compare is fastest
 BLOCK = 256  # pairs per block of the "blocked" rank (fastest of 128-1024 at P=32768 and 65536)
 TRIANGULAR_PREFIX_MAX_BLOCKS = 512  # up to here blocks are prefixed by one masked sum
 METHODS = ("pairwise", "blocked", "sorted", "cumsum")
@@ -49,9 +38,7 @@ def rank_pairwise(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.
     """(rank int32[P], counts int32[E]) of int32[P] ids by one [P, P] compare: the pairs q < p
     with p's expert.
 
-    Rank is meaningless for ids outside [0, E) (the caller masks those). On the H200 the earlier
-    cumsum form left one routing reduce fusion of 33-34 us at 64 and 256 pairs (`kernel_gaps
-    --decode-tokens 8` and 32); with this form all routing metadata took 9.4 us at T=8.
+    Rank is meaningless for ids outside [0, E) (the caller masks those).
     """
     index = jnp.arange(flat.size, dtype=jnp.int32)
     earlier = index[None, :] < index[:, None]
@@ -61,7 +48,7 @@ def rank_pairwise(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.
 
 def rank_cumsum(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(rank, counts) by an inclusive cumsum down a one-hot int32[P, E]: a scan over the whole
-    [P, E] matrix (50 us at P=65536, E=128 on the H200)."""
+    [P, E] matrix."""
     one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32)
     counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
     rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)

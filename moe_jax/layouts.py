@@ -77,6 +77,8 @@ def map_expert_ids(
     ids = ids_as_int32(topk_ids)
     if expert_map is not None:
         num_global = expert_map.shape[0]
+        if num_global == 0:  # no global expert: every slot goes nowhere (nothing to index)
+            return jnp.full(ids.shape, -1, jnp.int32)
         in_range = (ids >= 0) & (ids < num_global)
         ids = jnp.where(in_range, ids_as_int32(expert_map)[jnp.clip(ids, 0, num_global - 1)], -1)
     return jnp.where((ids >= 0) & (ids < num_experts), ids, -1)
@@ -213,29 +215,12 @@ class RoutingMetadata:
     expert_ids: jax.Array
 
 
-def check_routing_metadata_args(
-    local_ids: jax.Array, num_experts: int, alignment: int, num_rows: int
-) -> None:
-    """Raises naming the argument of `routing_metadata` (or its kernel) that is wrong."""
-    if local_ids.ndim != 2 or not jnp.issubdtype(local_ids.dtype, jnp.integer):
-        raise TypeError(f"{local_ids.shape=} {local_ids.dtype=} but int[T, k] is needed")
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{num_experts=} but a positive int is needed")
-    if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"{alignment=} but a positive int is needed")
-    needed = contiguous_num_rows(*local_ids.shape, num_experts, alignment)
-    if not isinstance(num_rows, int) or num_rows < needed:
-        raise ValueError(
-            f"{num_rows=} but the layout of {local_ids.shape} ids over {num_experts} experts "
-            f"(alignment {alignment}) can need {needed} rows: pass contiguous_num_rows(...)"
-        )
-
-
 def routing_metadata(
     local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int
 ) -> RoutingMetadata:
     """The contiguous layout's routing metadata, in pure JAX (the reference of
-    `moe_jax.kernels.routing_metadata`; front: `moe_jax.permute.routing_metadata`).
+    `moe_jax.kernels.routing_metadata`; the front `moe_jax.permute.routing_metadata` checks the
+    arguments).
 
     Args:
       local_ids: int[T, k] local ids in [0, E) or -1 (from `map_expert_ids`); any other id goes
@@ -254,7 +239,6 @@ def routing_metadata(
       >>> meta.source.tolist(), meta.expert_ids.tolist()
       ([0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1], [0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1])
     """
-    check_routing_metadata_args(local_ids, num_experts, alignment, num_rows)
     local_ids = ids_as_int32(local_ids)
     topk = local_ids.shape[1]
     inverse, counts, ends = contiguous_destinations(
@@ -279,6 +263,17 @@ def routing_metadata(
     )
 
 
+def gather_rows(a: jax.Array, sources: jax.Array) -> jax.Array:
+    """[M, ...] rows `a[sources[r]]`, zeros where sources[r] < 0 (padding), from a [T, ...] `a`.
+
+    Example:
+      >>> gather_rows(jnp.array([[1.0], [2.0]]), jnp.array([1, -1, 0])).tolist()
+      [[2.0], [0.0], [1.0]]
+    """
+    taken = a[jnp.clip(sources, 0, max(a.shape[0] - 1, 0))]
+    return jnp.where((sources >= 0)[:, None], taken, jnp.zeros((), a.dtype))
+
+
 def permute_reference(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -288,7 +283,8 @@ def permute_reference(
     expert_map: jax.Array | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> ContiguousLayout:
-    """Builds the contiguous expert-major layout (pure-JAX reference of `kernels.permute`).
+    """Builds the contiguous expert-major layout in pure JAX (`moe_jax.permute.permute`'s
+    "xla" implementation: routing metadata, then `gather_rows`).
 
     Args:
       x: [T, H] tokens (bf16, float32 or float8_e4m3fn).
@@ -312,16 +308,9 @@ def permute_reference(
     num_rows = contiguous_num_rows(num_tokens, topk, num_experts, alignment)
     local = map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
     meta = routing_metadata(local, num_experts=num_experts, alignment=alignment, num_rows=num_rows)
-    source = meta.source
-    has_source = source >= 0
-
-    def gather(a: jax.Array) -> jax.Array:
-        taken = a[jnp.clip(source, 0, max(num_tokens - 1, 0))]
-        return jnp.where(has_source[:, None], taken, jnp.zeros((), a.dtype))
-
     return ContiguousLayout(
-        rows=gather(x),
-        row_scales=None if x_scales is None else gather(x_scales),
+        rows=gather_rows(x, meta.source),
+        row_scales=None if x_scales is None else gather_rows(x_scales, meta.source),
         expert_ids=meta.expert_ids,
         inverse=meta.inverse,
         num_tokens_per_expert=meta.num_tokens_per_expert,
@@ -336,7 +325,8 @@ def unpermute_reference(
     *,
     out_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Weight-and-reduce from a row layout back to tokens (reference of `kernels.unpermute`).
+    """Weight-and-reduce from a row layout back to tokens (reference of
+    `moe_jax.kernels.unpermute`).
 
     out[t] = cast(sum over slots j with inverse[t, j] >= 0 of fp32(y[inverse[t, j]]) * w[t, j]),
     summed in slot order; a token with no valid slot gets zeros.

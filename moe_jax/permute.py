@@ -1,23 +1,27 @@
-"""Layout ops: permute (tokens -> expert-contiguous rows), unpermute (rows -> weighted token sums)
-per-expert token counts and the contiguous layout's routing metadata, each with a registry of
-implementations.
+"""Layout ops: route (where each (token, slot) goes), permute (route, then copy the rows),
+unpermute (rows -> weighted token sums) and per-expert token counts.
 
-Implementations, chosen by `impl` through `moe_jax.registry` (the same rule as every op):
+This front owns the contiguous layout's routing metadata and the choice of every implementation:
+it checks each argument once, answers empty problems itself (nothing to route, copy or sum: the
+XLA implementations' empty arrays, no kernel launch) and picks implementations by name through
+`moe_jax.registry`, as every op does. The implementations only compute:
 
-- "xla": the pure-JAX references in `moe_jax.layouts`; runs everywhere.
-- "pallas": the Pallas Triton kernels in `moe_jax.kernels`; NVIDIA GPUs only.
-- "pallas_interpret": the same kernels in Pallas interpret mode (CPU tests; never automatic).
-- "auto": "pallas" on a GPU, "xla" elsewhere (`registry.pallas_then_xla`), except for the
-  routing metadata, where "auto" is "xla" everywhere (`xla_routing_metadata_first`: the one
-  Pallas kernel wins at layer shape A only).
+- `ROUTING_METADATA` (route): "xla" (`moe_jax.layouts.routing_metadata`), "pallas"
+  (`moe_jax.kernels.routing_metadata`); "auto" is "xla" everywhere (`xla_routing_metadata_first`).
+- `PERMUTES` (permute's row copy from the routed `sources`): "xla", "pallas"
+  (`moe_jax.kernels.permute.gather_rows`).
+- `UNPERMUTES`, `COUNTS`: "xla" (`moe_jax.layouts`), "pallas" (`moe_jax.kernels.unpermute`,
+  `moe_jax.kernels.count`).
 
-Every implementation returns bit-identical layouts; unpermute sums in float32 in slot order.
+"auto" is "pallas" on a GPU and "xla" elsewhere (`registry.pallas_then_xla`), but for the
+routing metadata. The kernels are listed by path (`registry.lazy`): none is imported until it
+runs. Every implementation returns bit-identical layouts; unpermute sums in float32 in slot order.
 
-Both front functions are differentiable (`jax.custom_vjp`), whatever implementation runs forward:
+Both permute and unpermute are differentiable (`jax.custom_vjp`), whatever implementation runs:
 
 - permute: d x[t] = sum over the valid slots j of d rows[inverse[t, j]] (a gather-sum: the
-  unpermute of the row cotangents without weights, through `UNPERMUTES` with the same `impl`).
-  FP8 rows (inference) are not differentiated.
+  unpermute of the row cotangents without weights, by the `UNPERMUTES` implementation of the
+  copy's name, "auto" where none has it).
 - unpermute: d y[r] = g[t] * w[t, j] for the slot (t, j) that reads row r (slots of one token
   sharing a row, as in the masked layout, add their weights), zero on rows no slot reads; and
   d topk_weights[t, j] = <g[t], y[inverse[t, j]]> in float32, 0 where inverse is -1.
@@ -27,7 +31,6 @@ Index inputs (topk_ids, expert_map, inverse) get no cotangent.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,113 +42,167 @@ from moe_jax.registry import (
     OpProblem,
     Registry,
     current_platform,
+    lazy,
+    needs_gpu,
     pallas_then_xla,
 )
-
-_KERNEL_MODULES = {
-    "permute": "moe_jax.kernels.permute",
-    "unpermute": "moe_jax.kernels.unpermute",
-    "count": "moe_jax.kernels.count",
-    "routing_metadata": "moe_jax.kernels.routing_metadata",
-}
-
-
-def _registry(
-    op: str,
-    kernel_module: str,
-    preference: Callable[[OpProblem], Sequence[str]] = pallas_then_xla,
-) -> Registry:
-    return Registry(
-        op,
-        preference=preference,
-        modules={"pallas": kernel_module, "pallas_interpret": kernel_module},
-    )
+from moe_jax.routing import require_int
 
 
 def xla_routing_metadata_first(problem: OpProblem) -> tuple[str, ...]:
-    """The routing metadata's preference: XLA on every platform; the Pallas kernel by name only.
-
-    H200 evidence (2026-12-04, `python scripts/destinations_bench.py --metadata`, device time per
-    call alone, BENCHMARKS.md "Prefill"): the kernel of `moe_jax.kernels.routing_metadata` took
-    13.5 us at layer shape A (T*k = 32768, E=32) against XLA's 16.0, 25.4 at shape B (65536
-    pairs, E=128) against 27.0 and 9.0 at T=128 (E=256) against 13.4, but 21.8 at T=1 against
-    8.3; and inside shape B's FP8 forward it took 41.1 us against XLA's 28.4 (`kernel_gaps`).
-    """
+    """The routing metadata's preference: XLA on every platform; the Pallas kernel by name only
+    (BENCHMARKS.md, Thresholds: `xla_routing_metadata_first`)."""
     del problem
     return ("xla",)
 
 
-PERMUTES = _registry("permute", _KERNEL_MODULES["permute"])
-UNPERMUTES = _registry("unpermute", _KERNEL_MODULES["unpermute"])
-COUNTS = _registry("count_expert_num_tokens", _KERNEL_MODULES["count"])
-ROUTING_METADATA = _registry(
-    "routing_metadata", _KERNEL_MODULES["routing_metadata"], preference=xla_routing_metadata_first
-)
+PERMUTES = Registry("permute", preference=pallas_then_xla)
+UNPERMUTES = Registry("unpermute", preference=pallas_then_xla)
+COUNTS = Registry("count_expert_num_tokens", preference=pallas_then_xla)
+ROUTING_METADATA = Registry("routing_metadata", preference=xla_routing_metadata_first)
 
 
-def _xla_permute(
-    x, topk_ids, *, is_scales_group_major: bool = False, is_padding_zeroed: bool = True, **kwargs
+def _xla_gather_rows(
+    x, x_scales, sources, *, is_scales_group_major: bool = False, is_padding_zeroed: bool = True
 ):
-    """`layouts.permute_reference` under the kernels' signature: `is_scales_group_major` asks
-    a kernel how to lay its scales out in memory, and XLA lays out its own arrays; its padding
-    rows are zeros either way (what `is_padding_zeroed=False` leaves unspecified)."""
+    """(x[sources[r]], x_scales[sources[r]]), zeros where sources[r] < 0. XLA lays out its own
+    arrays and writes the padding rows either way, so neither flag changes anything here."""
     del is_scales_group_major, is_padding_zeroed
-    return layouts.permute_reference(x, topk_ids, **kwargs)
+    return layouts.gather_rows(x, sources), (
+        None if x_scales is None else layouts.gather_rows(x_scales, sources)
+    )
 
 
-PERMUTES.register(FunctionImpl("xla", _xla_permute))
+def _kernel(path: str, refuse=needs_gpu) -> FunctionImpl:
+    return FunctionImpl("pallas", lazy(f"moe_jax.kernels.{path}"), refuse)
+
+
+PERMUTES.register(FunctionImpl("xla", _xla_gather_rows))
+PERMUTES.register(_kernel("permute:gather_rows"))
 UNPERMUTES.register(FunctionImpl("xla", layouts.unpermute_reference))
+UNPERMUTES.register(_kernel("unpermute:unpermute"))
 COUNTS.register(FunctionImpl("xla", layouts.count_expert_num_tokens))
+COUNTS.register(_kernel("count:count_expert_num_tokens"))
 ROUTING_METADATA.register(FunctionImpl("xla", layouts.routing_metadata))
+ROUTING_METADATA.register(_kernel("routing_metadata:routing_metadata"))
 
 
 # The dtypes `permute` moves (FP8 rows carry their scales along).
 _ROW_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)))
 
 
-def check_permute_args(x, topk_ids, num_experts, x_scales, expert_map, alignment) -> None:
-    """`permute`'s arguments (every implementation's): raises TypeError/ValueError naming the
-    one at fault."""
-    if x.ndim != 2 or x.dtype not in _ROW_DTYPES:
+def _check_positive(name: str, value) -> None:
+    if require_int(name, value) < 1:
+        raise ValueError(f"{name}={value} but a positive int is needed")
+
+
+def _check_ids(topk_ids, expert_map, name: str = "topk_ids") -> None:
+    """Raises naming `name` or `expert_map` unless they are int[T, k] and int[E_global]."""
+    if topk_ids.ndim != 2 or not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(
-            f"{x.shape=} {x.dtype=} but x must be [T, H] in bf16, float16, float32 or float8_e4m3fn"
+            f"{name}.shape={topk_ids.shape} {name}.dtype={topk_ids.dtype} but int[T, k] is needed"
         )
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{x.shape=} but {topk_ids.shape=}: topk_ids must be [T, k], T as in x")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"{topk_ids.dtype=} but an integer dtype is needed")
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{num_experts=} but a positive int is needed")
-    if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"{alignment=} but a positive int is needed")
-    if x_scales is not None:
-        if x_scales.ndim != 2 or x_scales.shape[0] != x.shape[0]:
-            raise ValueError(f"{x.shape=} but {x_scales.shape=}: x_scales must be [T, G]")
-        if x_scales.dtype != jnp.float32:
-            raise TypeError(f"{x_scales.dtype=} but float32 scales are needed")
     if expert_map is not None and (
         expert_map.ndim != 1 or not jnp.issubdtype(expert_map.dtype, jnp.integer)
     ):
         raise TypeError(f"{expert_map.shape=} {expert_map.dtype=} but int[E_global] is needed")
 
 
-def check_unpermute_args(y, inverse, topk_weights) -> None:
-    """`unpermute`'s arguments (every implementation's): raises TypeError/ValueError naming the
-    one at fault."""
-    if y.ndim != 2 or not jnp.issubdtype(y.dtype, jnp.floating):
-        raise TypeError(f"{y.shape=} {y.dtype=} but y must be a float [M, H] array")
-    if inverse.ndim != 2 or inverse.dtype != jnp.int32:
-        raise TypeError(f"{inverse.shape=} {inverse.dtype=} but int32[T, k] is needed")
-    if topk_weights is not None:
-        if topk_weights.shape != inverse.shape:
-            raise ValueError(f"{topk_weights.shape=} but {inverse.shape=}: both are [T, k]")
-        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-            raise TypeError(f"{topk_weights.dtype=} but a float dtype is needed")
-
-
 def problem_for(x: jax.Array) -> OpProblem:
     """The `OpProblem` of an op whose main operand is `x`, on the default backend."""
     return OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
+
+
+def _select(registry: Registry, impl, operand: jax.Array, *, is_empty: bool):
+    """`registry`'s implementation `impl` for `operand` (so a refused name raises even on an
+    empty problem), or its "xla" one where there is nothing to compute (`is_empty`): an empty
+    axis launches no kernel, and XLA's ops give the empty or zero result."""
+    chosen = registry.select(impl, problem_for(operand))
+    return registry.get("xla") if is_empty else chosen
+
+
+def route(
+    topk_ids: jax.Array,
+    *,
+    num_experts: int,
+    expert_map: jax.Array | None = None,
+    alignment: int = layouts.DEFAULT_ALIGNMENT,
+    impl: str = AUTO,
+) -> layouts.ContiguousLayout:
+    """The contiguous layout without its rows: where each (token, slot) goes and which token
+    feeds each row (the first half of `permute`, and all a GEMM1 that reads the rows from the
+    tokens itself needs: `moe_jax.experts.GemmPair.gathers_rows`). Nothing is copied.
+
+    Args:
+      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` go nowhere.
+      num_experts: E, the number of local experts.
+      expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
+      alignment: segment length multiple (128 for DeepGEMM).
+      impl: the routing metadata's implementation (`ROUTING_METADATA`).
+
+    Returns:
+      `moe_jax.layouts.ContiguousLayout` with M = `layouts.contiguous_num_rows(T, k, E,
+      alignment)` rows, `rows` and `row_scales` None and `sources` int32[M] (-1 on padding).
+
+    Example:
+      >>> lay = route(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4)
+      >>> lay.sources.tolist(), lay.expert_ids.tolist()[:8], lay.inverse.tolist()
+      ([0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1], [0, -1, -1, -1, 1, 1, 1, -1], [[4, 0], [5, 6]])
+    """
+    _check_ids(topk_ids, expert_map)
+    _check_positive("num_experts", num_experts)
+    _check_positive("alignment", alignment)
+    local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
+    num_rows = layouts.contiguous_num_rows(*topk_ids.shape, num_experts, alignment)
+    chosen = _select(ROUTING_METADATA, impl, local, is_empty=local.size == 0)
+    meta = chosen(local, num_experts=num_experts, alignment=alignment, num_rows=num_rows)
+    return layouts.ContiguousLayout(
+        rows=None,
+        row_scales=None,
+        expert_ids=meta.expert_ids,
+        inverse=meta.inverse,
+        num_tokens_per_expert=meta.num_tokens_per_expert,
+        expert_ends=meta.expert_ends,
+        sources=meta.source,
+    )
+
+
+def routing_metadata(
+    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
+) -> layouts.RoutingMetadata:
+    """The contiguous layout's routing metadata (see `moe_jax.layouts.routing_metadata`) for
+    local ids and any number of rows; every implementation returns the same bits.
+
+    Args:
+      local_ids: int[T, k] local ids in [0, E), or -1 (`moe_jax.layouts.map_expert_ids`); ids
+        outside [0, E) go nowhere.
+      num_experts: E.
+      alignment: segment length multiple (128 for DeepGEMM).
+      num_rows: M, at least `moe_jax.layouts.contiguous_num_rows(T, k, E, alignment)`.
+      impl: "auto", "xla", "pallas" or an implementation object (`ROUTING_METADATA`).
+
+    Returns:
+      `moe_jax.layouts.RoutingMetadata`: inverse int32[T, k] (-1 for slots routed nowhere),
+      num_tokens_per_expert and expert_ends int32[E], source and expert_ids int32[M] (-1 on
+      padding rows).
+
+    Example:
+      >>> meta = routing_metadata(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4,
+      ...                         num_rows=12)
+      >>> meta.inverse.tolist(), meta.num_tokens_per_expert.tolist(), meta.expert_ends.tolist()
+      ([[4, 0], [5, 6]], [1, 3], [4, 8])
+    """
+    _check_ids(local_ids, None, "local_ids")
+    _check_positive("num_experts", num_experts)
+    _check_positive("alignment", alignment)
+    needed = layouts.contiguous_num_rows(*local_ids.shape, num_experts, alignment)
+    if require_int("num_rows", num_rows) < needed:
+        raise ValueError(
+            f"{num_rows=} but the layout of {local_ids.shape} ids over {num_experts} experts "
+            f"(alignment {alignment}) can need {needed} rows: pass contiguous_num_rows(...)"
+        )
+    chosen = _select(ROUTING_METADATA, impl, local_ids, is_empty=local_ids.size == 0)
+    return chosen(local_ids, num_experts=num_experts, alignment=alignment, num_rows=num_rows)
 
 
 def permute(
@@ -160,14 +217,16 @@ def permute(
     is_padding_zeroed: bool = True,
     impl: str = AUTO,
 ) -> layouts.ContiguousLayout:
-    """Copies each token once per chosen local expert into expert-contiguous rows.
+    """Copies each token once per chosen local expert into expert-contiguous rows: `route`,
+    then the row copy of `impl`.
 
     Args:
-      x: [T, H] tokens (bf16, float32 or float8_e4m3fn).
+      x: [T, H] tokens (bf16, float16, float32 or float8_e4m3fn).
       topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` send that copy
         nowhere and never address memory.
       num_experts: E, the number of local experts.
-      x_scales: optional float32[T, H // 128] scales of FP8 tokens, permuted with the rows.
+      x_scales: optional float32[T, G] scales of FP8 tokens (G = H // 128), permuted with the
+        rows.
       expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
       alignment: segment length multiple (128 for DeepGEMM).
       is_scales_group_major: have the kernel write `row_scales` as [G, M] in memory (the values
@@ -177,75 +236,97 @@ def permute(
         skip writing them (they are then unspecified: the Pallas kernel leaves them as the
         buffer held them). Only for FP8 rows, which are not differentiated: a float layout feeds
         the weight gradient, which sums whole segments, padding rows included.
-      impl: "auto", "xla", "pallas", "pallas_interpret" or a permute implementation object;
-        the backward's unpermute is the one of the same name ("auto" where none has it).
+      impl: "auto", "xla", "pallas" or an implementation object of the row copy (`PERMUTES`);
+        the routing metadata is `route`'s "auto".
 
     Returns:
-      `moe_jax.layouts.ContiguousLayout`.
+      `moe_jax.layouts.ContiguousLayout` (`sources` None).
 
     Raises:
       ValueError: `is_padding_zeroed=False` with float (differentiable) rows.
 
     Example:
-      >>> lay = permute(jnp.ones((2, 4)), jnp.array([[1], [1]]), num_experts=2, alignment=1)
-      >>> lay.expert_ids.tolist()
-      [1, 1]
+      >>> lay = permute(jnp.arange(4.0).reshape(2, 2), jnp.array([[1, 0], [1, 1]]),
+      ...               num_experts=2, alignment=4)
+      >>> lay.expert_ids.tolist(), lay.rows[4].tolist()
+      ([0, -1, -1, -1, 1, 1, 1, -1, -1, -1, -1, -1], [0.0, 1.0])
     """
-    check_permute_args(x, topk_ids, num_experts, x_scales, expert_map, alignment)
-    chosen = PERMUTES.select(impl, problem_for(x))
-    if x.dtype == jnp.float8_e4m3fn:
-        return chosen(
-            x,
-            topk_ids,
-            num_experts=num_experts,
-            x_scales=x_scales,
-            expert_map=expert_map,
-            alignment=alignment,
-            is_scales_group_major=is_scales_group_major,
-            is_padding_zeroed=is_padding_zeroed,
+    if x.ndim != 2 or x.dtype not in _ROW_DTYPES:
+        raise TypeError(
+            f"{x.shape=} {x.dtype=} but x must be [T, H] in bf16, float16, float32 or float8_e4m3fn"
         )
-    if not is_padding_zeroed:
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{x.shape=} but {topk_ids.shape=}: topk_ids must be [T, k], T as in x")
+    if x_scales is not None:
+        if x_scales.ndim != 2 or x_scales.shape[0] != x.shape[0]:
+            raise ValueError(f"{x.shape=} but {x_scales.shape=}: x_scales must be [T, G]")
+        if x_scales.dtype != jnp.float32:
+            raise TypeError(f"{x_scales.dtype=} but float32 scales are needed")
+    if not is_padding_zeroed and x.dtype != jnp.float8_e4m3fn:
         raise ValueError(
             f"is_padding_zeroed=False with {x.dtype} rows: only FP8 rows (inference) may leave "
             "padding rows unwritten; float rows feed the weight gradient, which sums whole "
             "segments. Drop the argument."
         )
-    unpermute_name = impl if isinstance(impl, str) else getattr(impl, "name", AUTO)
-    if unpermute_name not in UNPERMUTES.names():
-        unpermute_name = AUTO
-    unpermute_impl = UNPERMUTES.select(unpermute_name, problem_for(x))
-    statics = (chosen, unpermute_impl, num_experts, alignment, jnp.dtype(x.dtype))
-    return _permute_vjp(statics, x, topk_ids, x_scales, expert_map)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _permute_vjp(statics, x, topk_ids, x_scales, expert_map):
-    chosen, _, num_experts, alignment, _ = statics
-    return chosen(
-        x,
-        topk_ids,
-        num_experts=num_experts,
-        x_scales=x_scales,
-        expert_map=expert_map,
-        alignment=alignment,
+    lay = route(topk_ids, num_experts=num_experts, expert_map=expert_map, alignment=alignment)
+    is_empty = lay.sources.size == 0 or x.shape[1] == 0
+    if x_scales is not None:
+        is_empty |= x_scales.shape[1] == 0
+    copy = _select(PERMUTES, impl, x, is_empty=is_empty)
+    named = copy.name if copy.name in UNPERMUTES.names() else AUTO
+    statics = (
+        copy,
+        UNPERMUTES.select(named, problem_for(x)),
+        is_scales_group_major,
+        is_padding_zeroed,
+        jnp.dtype(x.dtype),
+    )
+    rows, row_scales = _copy_rows(statics, x, x_scales, lay.sources, lay.inverse)
+    return layouts.ContiguousLayout(
+        rows=rows,
+        row_scales=row_scales,
+        expert_ids=lay.expert_ids,
+        inverse=lay.inverse,
+        num_tokens_per_expert=lay.num_tokens_per_expert,
+        expert_ends=lay.expert_ends,
     )
 
 
-def _permute_fwd(statics, x, topk_ids, x_scales, expert_map):
-    lay = _permute_vjp(statics, x, topk_ids, x_scales, expert_map)
-    return lay, lay.inverse
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _copy_rows(statics, x, x_scales, sources, inverse):
+    copy, _, is_scales_group_major, is_padding_zeroed, _ = statics
+    del inverse  # the backward's
+    return copy(
+        x,
+        x_scales,
+        sources,
+        is_scales_group_major=is_scales_group_major,
+        is_padding_zeroed=is_padding_zeroed,
+    )
 
 
-def _permute_bwd(statics, inverse, cotangent):
+def _copy_rows_fwd(statics, x, x_scales, sources, inverse):
+    return _copy_rows(statics, x, x_scales, sources, inverse), inverse
+
+
+def _copy_rows_bwd(statics, inverse, cotangent):
     _, unpermute_impl, _, _, x_dtype = statics
-    dx = unpermute_impl(cotangent.rows, inverse, None, out_dtype=x_dtype)
+    d_rows, d_row_scales = cotangent
+    dx = _sum_rows(unpermute_impl, d_rows, inverse, None, x_dtype)
     d_scales = None
-    if cotangent.row_scales is not None:  # scales given with float rows: [M, G] -> [T, G]
-        d_scales = layouts.unpermute_reference(cotangent.row_scales, inverse, None)
-    return dx, None, d_scales, None
+    if d_row_scales is not None:  # scales given with float rows: [M, G] -> [T, G]
+        d_scales = _sum_rows(UNPERMUTES.get("xla"), d_row_scales, inverse, None, jnp.float32)
+    return dx, d_scales, None, None
 
 
-_permute_vjp.defvjp(_permute_fwd, _permute_bwd)
+_copy_rows.defvjp(_copy_rows_fwd, _copy_rows_bwd)
+
+
+def _sum_rows(chosen, y, inverse, topk_weights, out_dtype):
+    """`chosen`'s weighted gather-sum, or XLA's where an axis is empty (zeros, no launch)."""
+    if 0 in (*y.shape, *inverse.shape):
+        chosen = UNPERMUTES.get("xla")
+    return chosen(y, inverse, topk_weights, out_dtype=out_dtype)
 
 
 def unpermute(
@@ -260,18 +341,29 @@ def unpermute(
 
     Args:
       y: [M, H] expert outputs in row layout.
-      inverse: int32[T, k] row of each (token, slot), -1 for none.
+      inverse: int32[T, k] row of each (token, slot), -1 for none; rows must lie in [-1, M).
       topk_weights: float[T, k], or None when weights were applied before.
       out_dtype: output dtype (default y.dtype).
-      impl: as for `permute`.
+      impl: "auto", "xla", "pallas" or an implementation object (`UNPERMUTES`).
 
     Returns:
-      [T, H] in `out_dtype`.
+      [T, H] in `out_dtype`; a token without a valid slot gets zeros.
+
+    Example:
+      >>> unpermute(jnp.arange(6.0).reshape(3, 2), jnp.array([[2, 0], [-1, 1]], jnp.int32),
+      ...           jnp.array([[0.5, 2.0], [1.0, -1.0]])).tolist()
+      [[2.0, 4.5], [-2.0, -3.0]]
     """
-    check_unpermute_args(y, inverse, topk_weights)
+    if y.ndim != 2 or not jnp.issubdtype(y.dtype, jnp.floating):
+        raise TypeError(f"{y.shape=} {y.dtype=} but y must be a float [M, H] array")
+    if inverse.ndim != 2 or inverse.dtype != jnp.int32:
+        raise TypeError(f"{inverse.shape=} {inverse.dtype=} but int32[T, k] is needed")
+    if topk_weights is not None:
+        if topk_weights.shape != inverse.shape:
+            raise ValueError(f"{topk_weights.shape=} but {inverse.shape=}: both are [T, k]")
+        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+            raise TypeError(f"{topk_weights.dtype=} but a float dtype is needed")
     chosen = UNPERMUTES.select(impl, problem_for(y))
-    if y.dtype == jnp.float8_e4m3fn:
-        return chosen(y, inverse, topk_weights, out_dtype=out_dtype)
     out_dtype = jnp.dtype(y.dtype if out_dtype is None else out_dtype)
     return _unpermute_vjp((chosen, out_dtype), y, inverse, topk_weights)
 
@@ -279,7 +371,7 @@ def unpermute(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _unpermute_vjp(statics, y, inverse, topk_weights):
     chosen, out_dtype = statics
-    return chosen(y, inverse, topk_weights, out_dtype=out_dtype)
+    return _sum_rows(chosen, y, inverse, topk_weights, out_dtype)
 
 
 def _unpermute_fwd(statics, y, inverse, topk_weights):
@@ -359,100 +451,17 @@ def count_expert_num_tokens(
     nowhere (see `moe_jax.layouts.count_expert_num_tokens`).
 
     Args:
-      topk_ids: int[T, k] expert ids (global if `expert_map` is given).
+      topk_ids: int[T, k] expert ids (global if `expert_map` is given); any value is allowed.
       num_local_experts: E_local.
       expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
-      impl: as for `permute`.
+      impl: "auto", "xla", "pallas" or an implementation object (`COUNTS`).
 
     Example:
       >>> count_expert_num_tokens(jnp.array([[0, 0], [2, 1]]), 2).tolist()
       [2, 1]
     """
-    chosen = COUNTS.select(impl, problem_for(topk_ids))
+    _check_ids(topk_ids, expert_map)
+    _check_positive("num_local_experts", num_local_experts)
+    is_empty = topk_ids.size == 0 or (expert_map is not None and expert_map.size == 0)
+    chosen = _select(COUNTS, impl, topk_ids, is_empty=is_empty)
     return chosen(topk_ids, num_local_experts, expert_map)
-
-
-def route(
-    topk_ids: jax.Array,
-    *,
-    num_experts: int,
-    expert_map: jax.Array | None = None,
-    alignment: int = layouts.DEFAULT_ALIGNMENT,
-    impl: str = AUTO,
-) -> layouts.ContiguousLayout:
-    """The contiguous layout without its rows: where each (token, slot) goes and which token
-    feeds each row, for a GEMM1 that reads the rows from the tokens itself
-    (`moe_jax.experts.GemmPair.gathers_rows`). Nothing is copied.
-
-    Args:
-      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` go nowhere.
-      num_experts, expert_map, alignment: as for `permute`.
-      impl: the routing metadata's implementation (`routing_metadata`).
-
-    Returns:
-      `moe_jax.layouts.ContiguousLayout` with M = `layouts.contiguous_num_rows(T, k, E,
-      alignment)` rows, `rows` and `row_scales` None and `sources` int32[M] (-1 on padding).
-
-    Example:
-      >>> lay = route(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4)
-      >>> lay.sources.tolist(), lay.expert_ids.tolist()[:8]
-      ([0, -1, -1, -1, 0, 1, 1, -1, -1, -1, -1, -1], [0, -1, -1, -1, 1, 1, 1, -1])
-    """
-    if topk_ids.ndim != 2 or not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"{topk_ids.shape=} {topk_ids.dtype=} but int[T, k] is needed")
-    num_tokens, topk = topk_ids.shape
-    num_rows = layouts.contiguous_num_rows(num_tokens, topk, num_experts, alignment)
-    local = layouts.map_expert_ids(topk_ids, num_experts=num_experts, expert_map=expert_map)
-    if num_tokens * topk == 0:  # nothing to route: the layout has no rows
-        no_experts = jnp.zeros((num_experts,), jnp.int32)
-        no_rows = jnp.zeros((0,), jnp.int32)
-        return layouts.ContiguousLayout(
-            rows=None,
-            row_scales=None,
-            expert_ids=no_rows,
-            inverse=jnp.full((num_tokens, topk), -1, jnp.int32),
-            num_tokens_per_expert=no_experts,
-            expert_ends=no_experts,
-            sources=no_rows,
-        )
-    meta = routing_metadata(
-        local, num_experts=num_experts, alignment=alignment, num_rows=num_rows, impl=impl
-    )
-    return layouts.ContiguousLayout(
-        rows=None,
-        row_scales=None,
-        expert_ids=meta.expert_ids,
-        inverse=meta.inverse,
-        num_tokens_per_expert=meta.num_tokens_per_expert,
-        expert_ends=meta.expert_ends,
-        sources=meta.source,
-    )
-
-
-def routing_metadata(
-    local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
-) -> layouts.RoutingMetadata:
-    """The contiguous layout's routing metadata (see `moe_jax.layouts.routing_metadata`); every
-    implementation returns the same bits.
-
-    Args:
-      local_ids: int32[T, k] local ids in [0, E), or -1 (`moe_jax.layouts.map_expert_ids`); ids
-        outside [0, E) go nowhere.
-      num_experts: E.
-      alignment: segment length multiple (128 for DeepGEMM).
-      num_rows: M, at least `moe_jax.layouts.contiguous_num_rows(T, k, E, alignment)`.
-      impl: as for `permute`.
-
-    Returns:
-      `moe_jax.layouts.RoutingMetadata`: inverse int32[T, k] (-1 for slots routed nowhere),
-      num_tokens_per_expert and expert_ends int32[E], source and expert_ids int32[M] (-1 on
-      padding rows).
-
-    Example:
-      >>> meta = routing_metadata(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4,
-      ...                         num_rows=12)
-      >>> meta.inverse.tolist(), meta.num_tokens_per_expert.tolist(), meta.expert_ends.tolist()
-      ([[4, 0], [5, 6]], [1, 3], [4, 8])
-    """
-    chosen = ROUTING_METADATA.select(impl, problem_for(local_ids))
-    return chosen(local_ids, num_experts=num_experts, alignment=alignment, num_rows=num_rows)

@@ -13,7 +13,10 @@ Choosing, the same for every op:
   when all refuse, the error lists every reason.
 
 Implementations in other modules (Pallas kernels, torch-hosted libraries) are listed by module
-name and imported on first use, so one whose library is missing stays listed and says why.
+name and imported on first use, so one whose library is missing stays listed and says why; a
+function implementation may also name its function by path (`lazy`), so that choosing it (or
+refusing it, on a CPU) imports nothing. A registry holds what a user may pass: the kernels'
+interpret-mode variants, CPU test vehicles, are registered by the tests.
 
 Example:
   >>> import dataclasses
@@ -81,7 +84,7 @@ class Registry(Generic[ImplT]):
     Args:
       op: what the op is called in messages ("grouped GEMM", "permute", ...).
       preference: problem -> names in the order "auto" tries them. Names left out are never
-        picked automatically (interpret-mode kernels, for instance) but run when named.
+        picked automatically but run when named.
       modules: name -> module that registers that implementation when imported.
     """
 
@@ -211,12 +214,33 @@ class OpProblem:
 
 
 def pallas_then_xla(problem: OpProblem) -> tuple[str, ...]:
-    """The preference of the Pallas-kernel ops: the compiled kernel on a GPU, else XLA.
-
-    Interpret mode ("pallas_interpret") is never picked automatically: it is a CPU test vehicle
-    for the kernels, orders of magnitude slower than XLA.
-    """
+    """The preference of the Pallas-kernel ops: the compiled kernel on a GPU, else XLA
+    (BENCHMARKS.md, Thresholds: "PERMUTES, UNPERMUTES `pallas_then_xla`")."""
     return ("pallas", "xla") if problem.platform == "gpu" else ("xla",)
+
+
+def needs_gpu(problem: Any) -> str | None:
+    """The refusal of a compiled Pallas Triton kernel: it runs on NVIDIA GPUs only."""
+    if problem.platform != "gpu":
+        return f"the compiled Pallas Triton kernel needs an NVIDIA GPU, not {problem.platform!r}"
+    return None
+
+
+def lazy(path: str) -> Callable[..., Any]:
+    """The function at `path` ("package.module:function"), imported on its first call: a
+    registry lists a kernel without importing it (or the Pallas backend it imports) until it runs.
+
+    Example:
+      >>> lazy("math:sqrt")(16.0)
+      4.0
+    """
+    module, _, name = path.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = path
+    return call
 
 
 def _runs_anywhere(problem: Any) -> None:

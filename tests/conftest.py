@@ -16,6 +16,8 @@
   shared memory and barriers run as host callbacks: on an H200 host's GPU device one such test
   did not finish in 120 s, against 3.6 s on its CPU device (2026-12-03). On GPU hosts they run on
   the CPU device too; their GPU-marked parameters stay on the GPU.
+- The kernels' interpret-mode backends ("pallas_interpret" and the like), CPU test vehicles that
+  production registries do not list, are registered for every test (`interpret_backends.py`).
 - `MOE_JAX_TEST_LOG=FILE` appends a line when each test starts and when it ends (the plugin
   tests/suite_log.py), so a run stopped by a time limit still says which tests were running and
   which took longest: `python3 scripts/test_log.py FILE` reads it.
@@ -36,7 +38,12 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from interpret_backends import register_interpret_backends  # noqa: E402
 from suite_log import pytest_runtest_protocol  # noqa: E402, F401 (MOE_JAX_TEST_LOG's hook)
+
+
+def pytest_configure(config):
+    register_interpret_backends()
 
 
 def pytest_collection_modifyitems(config, items):

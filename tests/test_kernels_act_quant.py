@@ -16,6 +16,7 @@ the reference covers the compiled quantization, except:
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,8 @@ import pytest
 
 from moe_jax import act_quant as act_quant_front
 from moe_jax import quant
-from moe_jax.act_quant import act_and_quant_reference, group_quant_reference
-from moe_jax.kernels.act_quant import (
-    COMPILED_ACTIVATIONS,
-    ActQuantConfig,
-    act_and_quant,
-    group_quant,
-)
+from moe_jax.act_quant import COMPILED_ACTIVATIONS, act_and_quant_reference, group_quant_reference
+from moe_jax.kernels.act_quant import ActQuantConfig, act_and_quant, group_quant
 
 pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
 
@@ -69,22 +65,29 @@ def _inputs(problem: Problem, *, scale: float, salt: int) -> jax.Array:
     )
 
 
-def _run_act(impl, h, activation, **kwargs):
+def _run_act(impl, h, activation, *, config=None, **kwargs):
+    """The reference, the front's `impl`, or with a config the kernel itself."""
     if impl == "pallas" and activation not in COMPILED_ACTIVATIONS:
         with pytest.raises(NotImplementedError, match="Triton cannot lower erf"):
-            act_and_quant(h, activation=activation)
+            act_quant_front.act_and_quant(h, activation=activation, impl=impl)
         pytest.skip(f"{activation} has no compiled kernel (checked that it says so)")
     if impl == "reference":
         return jax.jit(act_and_quant_reference, static_argnames="activation")(
             h, activation=activation
         )
-    return act_and_quant(h, activation=activation, interpret=impl == "pallas_interpret", **kwargs)
+    if config is None:
+        return act_quant_front.act_and_quant(h, activation=activation, impl=impl, **kwargs)
+    interpret = impl == "pallas_interpret"
+    return act_and_quant(h, activation=activation, config=config, interpret=interpret, **kwargs)
 
 
-def _run_group(impl, x, **kwargs):
+def _run_group(impl, x, *, config=None):
+    """As `_run_act`, for the token quantization."""
     if impl == "reference":
         return jax.jit(group_quant_reference)(x)
-    return group_quant(x, interpret=impl == "pallas_interpret", **kwargs)
+    if config is None:
+        return act_quant_front.group_quant(x, impl=impl)
+    return group_quant(x, config=config, interpret=impl == "pallas_interpret")
 
 
 def _xla_reference(fn, x):
@@ -136,7 +139,7 @@ def test_act_and_quant_kernel_is_bitwise_reference(impl, problem):
     """Bitwise on random inputs where the body's arithmetic is shared: interpret mode always.
     The compiled kernel's activation is Triton's own (module docstring): one step allowed."""
     h = _inputs(problem, scale=4.0, salt=2)
-    got = _run_act(impl, h, "silu", config=ActQuantConfig(block_m=16))
+    got = _run_act(impl, h, "silu")
     want = _xla_reference(act_and_quant_reference, h)
     if impl == "pallas":
         _assert_within_one_step(*got, *map(np.asarray, want), max_flips=0.01)
@@ -168,7 +171,7 @@ def test_group_quant_is_bitwise_the_oracle(impl, problem):
     """Every implementation divides correctly rounded (the compiled kernel by `div.rn.f32`), so
     all of them equal the float32 NumPy recipe, and so the reference, bit for bit."""
     x = _inputs(problem, scale=5.0, salt=4)
-    q, scales = _run_group(impl, x, config=None if impl == "reference" else ActQuantConfig())
+    q, scales = _run_group(impl, x)
     assert q.shape == x.shape and scales.shape == (problem.rows, x.shape[1] // 128)
     q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x.astype(jnp.float32)))
     _assert_bitwise((q, scales), (jnp.asarray(q_ref), s_ref))
@@ -214,7 +217,7 @@ def test_group_quant_divides_correctly_rounded_near_e4m3_ties(impl):
     (a plain multiply by the reciprocal changes 325 of these 12288 codes): bit for bit, codes
     and their signs (-0.0 included), and scales."""
     x = jnp.asarray(_quotients_near_e4m3_ties(seed=11))
-    q, scales = _run_group(impl, x, config=None if impl == "reference" else ActQuantConfig())
+    q, scales = _run_group(impl, x)
     q_ref, s_ref = oracles.per_token_group_quant_fp8(np.asarray(x))
     got_bits = np.asarray(q).view(np.uint8)
     np.testing.assert_array_equal(got_bits, q_ref.view(np.uint8))
@@ -300,26 +303,36 @@ def test_padding_blocks_are_skipped_and_used_rows_unchanged(impl):
         _assert_bitwise(got, (q_ref[computed], s_ref[computed]))
     assert not np.any(np.asarray(scales)[~computed] == s_ref[~computed])
     with pytest.raises(ValueError, match=r"expert_ids.shape=\(79,\)"):
-        act_and_quant(h, interpret=True, expert_ids=jnp.zeros(79, jnp.int32))
+        act_quant_front.act_and_quant(h, impl=impl, expert_ids=jnp.zeros(79, jnp.int32))
 
 
-def test_bad_inputs_raise():
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_bad_inputs_raise(impl):
+    """The fronts check once, whichever implementation quantizes."""
+    act, group = (
+        functools.partial(fn, impl=impl)
+        for fn in (act_quant_front.act_and_quant, act_quant_front.group_quant)
+    )
     with pytest.raises(ValueError, match="multiple of 256"):
-        act_and_quant(jnp.zeros((4, 200), jnp.bfloat16))
-    for impl in ("xla", "pallas_interpret"):  # the front checks, whichever implementation runs
-        with pytest.raises(ValueError, match=r"h\.shape=\(4, 192\).*multiple of 256"):
-            act_quant_front.act_and_quant(jnp.ones((4, 192)), impl=impl)
-        for group_size in (0, -128):
-            with pytest.raises(ValueError, match=f"group_size={group_size}"):
-                act_quant_front.group_quant(jnp.ones((4, 256)), group_size=group_size, impl=impl)
-        with pytest.raises(TypeError, match=r"group_size=2\.0 must be an int"):
-            act_quant_front.group_quant(jnp.ones((4, 256)), group_size=2.0, impl=impl)
+        act(jnp.zeros((4, 200), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"h\.shape=\(4, 192\).*multiple of 256"):
+        act(jnp.ones((4, 192)))
+    for group_size in (0, -128):
+        with pytest.raises(ValueError, match=f"group_size={group_size}"):
+            group(jnp.ones((4, 256)), group_size=group_size)
+    with pytest.raises(TypeError, match=r"group_size=2\.0 must be an int"):
+        group(jnp.ones((4, 256)), group_size=2.0)
     with pytest.raises(ValueError, match=r"x.shape=\(4, 200\)"):
-        group_quant(jnp.zeros((4, 200), jnp.bfloat16))
+        group(jnp.zeros((4, 200), jnp.bfloat16))
     with pytest.raises(TypeError, match="h.dtype"):
-        act_and_quant(jnp.zeros((4, 256), jnp.int32))
+        act(jnp.zeros((4, 256), jnp.int32))
     with pytest.raises(ValueError, match="unknown activation"):
-        act_and_quant(jnp.zeros((4, 256), jnp.bfloat16), activation="relu")
+        act(jnp.zeros((4, 256), jnp.bfloat16), activation="relu")
+    with pytest.raises(ValueError, match="expert_ids"):
+        act(jnp.zeros((4, 256), jnp.bfloat16), expert_ids=jnp.zeros(4, jnp.float32))
+
+
+def test_config_rejects_bad_blocks():
     with pytest.raises(ValueError, match="power of two"):
         ActQuantConfig(block_m=24)
     with pytest.raises(ValueError, match="groups_per_program=3"):

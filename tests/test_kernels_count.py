@@ -1,5 +1,5 @@
-"""Pallas token counting (`moe_jax.kernels.count_expert_num_tokens`) against the NumPy loop in
-`oracles.count_expert_num_tokens`.
+"""Token counting (`moe_jax.permute.count_expert_num_tokens`, each `COUNTS` implementation; the
+Pallas one `moe_jax.kernels.count`) against the NumPy loop in `oracles.count_expert_num_tokens`.
 
 Integer sums with no atomics (each program owns its experts' counts): interpret mode computes the
 compiled kernel's results exactly; only its Triton indexing and masking run on the GPU alone
@@ -12,7 +12,8 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import kernels, layouts
+from moe_jax import layouts
+from moe_jax import permute as permute_front
 
 IMPLS = [
     pytest.param("reference"),
@@ -27,15 +28,14 @@ CI_PROBLEMS = [
     ("many_experts_two_programs", 37, 8, 40, None),
     ("expert_map_holes", 9, 4, 4, 10),
     ("more_pairs_than_a_block", 65, 5, 6, None),
+    ("empty_expert_map", 4, 2, 3, 0),
 ]
 
 
 def _run(impl, ids, num_local, expert_map):
     if impl == "reference":
         return layouts.count_expert_num_tokens(ids, num_local, expert_map)
-    return kernels.count_expert_num_tokens(
-        ids, num_local, expert_map, interpret=impl == "pallas_interpret"
-    )
+    return permute_front.count_expert_num_tokens(ids, num_local, expert_map, impl=impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -60,12 +60,13 @@ def test_count_matches_oracle(impl, problem):
     np.testing.assert_array_equal(got, oracles.count_expert_num_tokens(ids, num_local, expert_map))
 
 
-def test_count_rejects_bad_inputs():
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_count_rejects_bad_inputs(impl):
+    """The front checks once, whichever implementation counts."""
+    count = permute_front.count_expert_num_tokens
     with pytest.raises(TypeError, match="topk_ids"):
-        kernels.count_expert_num_tokens(jnp.zeros((2, 2)), 2, interpret=True)
+        count(jnp.zeros((2, 2)), 2, impl=impl)
     with pytest.raises(ValueError, match="num_local_experts"):
-        kernels.count_expert_num_tokens(jnp.zeros((2, 2), jnp.int32), 0, interpret=True)
+        count(jnp.zeros((2, 2), jnp.int32), 0, impl=impl)
     with pytest.raises(TypeError, match="expert_map"):
-        kernels.count_expert_num_tokens(
-            jnp.zeros((2, 2), jnp.int32), 2, jnp.zeros((2,)), interpret=True
-        )
+        count(jnp.zeros((2, 2), jnp.int32), 2, jnp.zeros((2,)), impl=impl)

@@ -1,6 +1,8 @@
-"""Pallas permute (`moe_jax.kernels.permute`) vs the NumPy loop in `oracles.permute` and, bit for
-bit, the reference. A copy has no arithmetic, so interpret mode covers the compiled kernel's
-results; only its Triton indexing and masking run on the GPU alone (`-m gpu`)."""
+"""The permute (`moe_jax.permute.permute`: route, then the row copy of each `PERMUTES`
+implementation, the Pallas one `moe_jax.kernels.permute.gather_rows`) vs the NumPy loop in
+`oracles.permute` and, bit for bit, the reference. A copy has no arithmetic, so interpret mode
+covers the compiled kernel's results; only its Triton indexing and masking run on the GPU alone
+(`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import kernels, layouts
+from moe_jax import layouts
 from moe_jax import permute as permute_front
+from moe_jax.kernels.permute import PermuteConfig
 from moe_jax.quant import per_token_group_quant_fp8
 
 IMPLS = [
@@ -86,7 +89,7 @@ def _oracle(x, ids, *, num_experts, expert_map, alignment, x_scales=None):
 def _run(impl, x, ids, **kwargs):
     if impl == "reference":
         return _reference(x, ids, **kwargs)
-    return kernels.permute(x, ids, interpret=impl == "pallas_interpret", **kwargs)
+    return permute_front.permute(x, ids, impl=impl, **kwargs)
 
 
 def _assert_bitwise(a: layouts.ContiguousLayout, b: layouts.ContiguousLayout):
@@ -165,12 +168,10 @@ def test_permute_fp8_unzeroed_padding_keeps_every_real_row(impl, problem):
     """`is_padding_zeroed=False` (the FP8 inference path): padding rows and their scales are
     unspecified, every real row, scale and index is still the oracle's, bit for bit."""
     q, scales, ids, kwargs = _fp8_problem("permute_fp8_unzeroed", problem)
-    if impl == "reference":
-        lay = permute_front.permute(
-            q, ids, x_scales=scales, is_padding_zeroed=False, impl="xla", **kwargs
-        )
-    else:
-        lay = _run(impl, q, ids, x_scales=scales, is_padding_zeroed=False, **kwargs)
+    name = "xla" if impl == "reference" else impl
+    lay = permute_front.permute(
+        q, ids, x_scales=scales, is_padding_zeroed=False, impl=name, **kwargs
+    )
     is_pad = np.asarray(lay.expert_ids) < 0
     assert is_pad.any(), "the problem should have padding rows"
     _assert_matches_oracle(lay, _oracle(q, ids, x_scales=scales, **kwargs), is_padding_zeroed=False)
@@ -183,14 +184,6 @@ def test_permute_front_refuses_unzeroed_padding_for_float_rows():
         permute_front.permute(x, ids, num_experts=2, alignment=4, is_padding_zeroed=False)
 
 
-def test_permute_front_module_runs_the_kernel():
-    rng = np.random.default_rng(21)
-    ids = jnp.asarray(rng.integers(-1, 5, (6, 2)), jnp.int32)
-    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
-    got = permute_front.permute(x, ids, num_experts=4, alignment=4, impl="pallas_interpret")
-    _assert_bitwise(got, _reference(x, ids, num_experts=4, alignment=4))
-
-
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
@@ -201,21 +194,22 @@ def test_permute_front_module_runs_the_kernel():
         (dict(x_scales=jnp.zeros((3, 1), jnp.float32)), ValueError, "x_scales.shape"),
         (dict(x_scales=jnp.zeros((4, 1), jnp.bfloat16)), TypeError, "x_scales.dtype"),
         (dict(expert_map=jnp.zeros((2, 2), jnp.int32)), TypeError, "expert_map"),
-        (dict(config=kernels.PermuteConfig), ValueError, "block_m"),
+        (dict(alignment=0), ValueError, "alignment"),
     ],
 )
-def test_permute_rejects_bad_inputs(args, error, match):
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_permute_rejects_bad_inputs(impl, args, error, match):
+    """The front checks once, whichever implementation copies."""
     kwargs = dict(x=jnp.zeros((4, 8)), topk_ids=jnp.zeros((4, 2), jnp.int32), num_experts=2)
-    if args.get("config") is kernels.PermuteConfig:
-        with pytest.raises(error, match=match):
-            kernels.PermuteConfig(block_m=3)
-        return
     kwargs.update(args)
     x, ids = kwargs.pop("x"), kwargs.pop("topk_ids")
     with pytest.raises(error, match=match):
-        kernels.permute(x, ids, interpret=True, **kwargs)
-    with pytest.raises(error, match=match):  # the front checks for every implementation
-        permute_front.permute(x, ids, impl="xla", **kwargs)
+        permute_front.permute(x, ids, impl=impl, **kwargs)
+
+
+def test_permute_config_rejects_bad_blocks():
+    with pytest.raises(ValueError, match="block_m"):
+        PermuteConfig(block_m=3)
 
 
 def test_an_implementation_object_differentiates_with_its_namesake_unpermute():

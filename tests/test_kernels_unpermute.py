@@ -1,4 +1,5 @@
-"""Pallas unpermute (`moe_jax.kernels.unpermute`) against the float64 loop in `oracles.unpermute`.
+"""The unpermute (`moe_jax.permute.unpermute`, each `UNPERMUTES` implementation; the Pallas one
+`moe_jax.kernels.unpermute`) against the float64 loop in `oracles.unpermute`.
 
 Both modes run one kernel body that sums float32 products in slot order, as the reference does.
 What interpret mode does not cover: Triton may contract the multiply-add into an FMA on the GPU,
@@ -14,8 +15,9 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import kernels, layouts
+from moe_jax import layouts
 from moe_jax import permute as permute_front
+from moe_jax.kernels.unpermute import UnpermuteConfig
 
 IMPLS = [
     pytest.param("reference"),
@@ -78,7 +80,7 @@ def _run(impl, y, inverse, weights, **kwargs):
         return jax.jit(layouts.unpermute_reference, static_argnames="out_dtype")(
             y, inverse, weights, **kwargs
         )
-    return kernels.unpermute(y, inverse, weights, interpret=impl == "pallas_interpret", **kwargs)
+    return permute_front.unpermute(y, inverse, weights, impl=impl, **kwargs)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -132,12 +134,15 @@ def test_unpermute_undoes_permute_of_the_kernel():
         (dict(topk_weights=jnp.zeros((2, 2), jnp.int32)), TypeError, "topk_weights.dtype"),
     ],
 )
-def test_unpermute_rejects_bad_inputs(args, error, match):
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_unpermute_rejects_bad_inputs(impl, args, error, match):
+    """The front checks once, whichever implementation sums."""
     kwargs = dict(y=jnp.zeros((4, 8)), inverse=jnp.zeros((2, 2), jnp.int32), topk_weights=None)
     kwargs.update(args)
     with pytest.raises(error, match=match):
-        kernels.unpermute(kwargs["y"], kwargs["inverse"], kwargs["topk_weights"], interpret=True)
-    with pytest.raises(error, match=match):  # the front checks for every implementation
-        permute_front.unpermute(kwargs["y"], kwargs["inverse"], kwargs["topk_weights"], impl="xla")
+        permute_front.unpermute(kwargs["y"], kwargs["inverse"], kwargs["topk_weights"], impl=impl)
+
+
+def test_unpermute_config_rejects_bad_blocks():
     with pytest.raises(ValueError, match="block_t"):
-        kernels.UnpermuteConfig(block_t=6)
+        UnpermuteConfig(block_t=6)

@@ -72,11 +72,11 @@ def _offset_types(shape, dtype, capsys, *, store: bool = False) -> list[str]:
 )
 @pytest.mark.parametrize("store", [False, True], ids=["load", "store"])
 def test_patched_lowering_widens_only_large_byte_arrays(shape, dtype, want, store, capsys):
-    assert _triton.WIDE_BYTE_OFFSETS, "the patch did not install on this JAX"
+    assert _triton.wide_byte_offsets(), "the patch did not install on this JAX"
     assert set(_offset_types(shape, dtype, capsys, store=store)) == {want}
 
 
-@pytest.mark.skipif(not _triton.WIDE_BYTE_OFFSETS, reason="the patch did not install")
+@pytest.mark.skipif(not _triton.wide_byte_offsets(), reason="the patch did not install")
 def test_unpatched_lowering_still_wraps(monkeypatch, capsys):
     """JAX's own lowering picks int32 for the DeepSeek-V3 w2: the bug the patch exists for.
 
@@ -116,7 +116,7 @@ def test_grouped_gemm_reads_an_expert_past_int32_offsets():
     constant weights: with int32 offsets expert 159's load wraps onto other memory."""
     from moe_jax.kernels.grouped_gemm import grouped_gemm_contiguous
 
-    assert _triton.WIDE_BYTE_OFFSETS, "the patch did not install: the uint16 fallback would run"
+    assert _triton.wide_byte_offsets(), "the patch did not install: the uint16 fallback would run"
     num_experts, n, k = 160, 7168, 2048
 
     @jax.jit

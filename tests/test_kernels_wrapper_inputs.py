@@ -1,23 +1,19 @@
 """The permute, wgrad and Mosaic FP8 GEMM wrappers on awkward inputs, against their pure-JAX
 references: zero-size hidden, group, N and K dimensions (the references return empty or zero
-arrays; the kernels must launch nothing rather than index past an empty axis), and arguments
-that used to give NaN rows or an IndexError instead of an error naming them."""
+arrays; nothing may index past an empty axis: the permute's front answers them itself, the
+kernels launch nothing), and arguments that used to give NaN rows or an IndexError instead of
+an error naming them."""
 
 from __future__ import annotations
-
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_jax.kernels.permute  # noqa: F401  (the package re-exports a function of that name)
-import moe_jax.kernels.wgrad  # noqa: F401
 from moe_jax import grouped_gemm_backward, layouts
+from moe_jax import permute as permute_front
 from moe_jax.kernels import mosaic_fp8_gemm as mg
-
-kernel_permute = sys.modules["moe_jax.kernels.permute"]
-kernel_wgrad = sys.modules["moe_jax.kernels.wgrad"]
+from moe_jax.kernels import wgrad as kernel_wgrad
 
 IDS = jnp.array([[0, 1], [1, 1], [5, 0]])  # a duplicate in a row, an id past E
 
@@ -31,20 +27,21 @@ IDS = jnp.array([[0, 1], [1, 1], [5, 0]])  # a duplicate in a row, an id past E
 def test_permute_of_zero_columns_matches_the_reference(
     hidden, num_groups, dtype, is_scales_group_major
 ):
-    """H = 0 or G = 0: the copy kernel's column (group) block used to read past the empty axis
-    ("Slice size at index 1 in gather op is out of range") where the reference gives [M, 0]."""
+    """H = 0 or G = 0 with the Pallas copy named: its column (group) block used to read past the
+    empty axis ("Slice size at index 1 in gather op is out of range") where the reference gives
+    [M, 0]; the front now copies nothing along an empty axis."""
     x = jnp.ones((3, hidden), dtype or jnp.float8_e4m3fn)
     x_scales = None
     if num_groups is not None:
         x_scales = jnp.arange(3.0 * num_groups, dtype=jnp.float32).reshape(3, num_groups) + 1
-    got = kernel_permute.permute(
+    got = permute_front.permute(
         x,
         IDS,
         num_experts=2,
         x_scales=x_scales,
         alignment=4,
         is_scales_group_major=is_scales_group_major,
-        interpret=True,
+        impl="pallas_interpret",
     )
     want = layouts.permute_reference(x, IDS, num_experts=2, x_scales=x_scales, alignment=4)
     assert got.rows.shape == want.rows.shape and got.rows.dtype == want.rows.dtype
@@ -135,7 +132,8 @@ def _mosaic_gemm(x, w, expert_ids, x_scales, w_scales, **kwargs):
 def _mosaic_act_quant(
     x, w, expert_ids, x_scales, w_scales, fn=mg.mosaic_fp8_gemm_act_quant_contiguous
 ):
-    return fn(x, w, expert_ids, x_scales=x_scales, w1_scales=w_scales, alignment=64, interpret=True)
+    options = mg.FusedGemm1Options(alignment=64, interpret=True)
+    return fn(x, w, expert_ids, x_scales=x_scales, w1_scales=w_scales, options=options)
 
 
 @pytest.mark.mosaic_interpret
@@ -188,9 +186,7 @@ def test_mosaic_fp8_refuses_a_bad_num_sms(num_sms, gated):
                 operands["expert_ids"],
                 x_scales=operands["x_scales"],
                 w1_scales=operands["w_scales"],
-                alignment=64,
-                num_sms=num_sms,
-                interpret=True,
+                options=mg.FusedGemm1Options(alignment=64, num_sms=num_sms, interpret=True),
             )
         else:
             _mosaic_gemm(**operands, num_sms=num_sms)
