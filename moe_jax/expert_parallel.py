@@ -93,6 +93,13 @@ class EPConfig:
         problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(dtype).name)
         return TRANSPORTS.select(self.transport, problem)
 
+    def exchange(self, buffer: jax.Array, fill, **sizes) -> jax.Array:
+        """[R * C, ...] blocks by destination -> blocks by source (and back), by the transport;
+        `sizes`: num_ranks, capacity, send_sizes, recv_sizes (`padded_exchange`)."""
+        return self.resolved_transport(buffer.dtype)(
+            buffer, fill, axis_name=self.axis_name, **sizes
+        )
+
     def capacity(self, num_tokens: int, topk: int) -> int:
         """C, the rows one rank sends to each rank for `num_tokens` tokens of top-`topk` routing:
         `capacity_per_rank`, or T * k (nothing dropped) where it is None."""
@@ -213,37 +220,15 @@ def _scatter_rows(
     return buffer.at[target].set(per_pair, mode="drop")
 
 
-def _exchange(
-    buffer: jax.Array,
-    fill,
-    *,
-    config: EPConfig,
-    num_ranks: int,
-    capacity: int,
-    send_sizes: jax.Array,
-    recv_sizes: jax.Array,
-) -> jax.Array:
-    """[R * C, ...] blocks by destination -> [R * C, ...] blocks by source (and back)."""
-    return config.resolved_transport(buffer.dtype)(
-        buffer,
-        fill,
-        axis_name=config.axis_name,
-        num_ranks=num_ranks,
-        capacity=capacity,
-        send_sizes=send_sizes,
-        recv_sizes=recv_sizes,
-    )
-
-
 def padded_exchange(buffer, fill, *, axis_name, num_ranks, capacity, send_sizes, recv_sizes):
-    """The "padded" transport: `all_to_all` of the whole [R * C, ...] buffer (`_exchange`)."""
+    """The "padded" transport: `all_to_all` of the whole [R * C, ...] buffer."""
     del fill, num_ranks, capacity, send_sizes, recv_sizes  # every row travels
     return jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
 
 
 def ragged_exchange(buffer, fill, *, axis_name, num_ranks, capacity, send_sizes, recv_sizes):
     """The "ragged" transport: `ragged_all_to_all` of the first send_sizes[d] rows of each block
-    (`_exchange`); rows not received hold `fill`."""
+    (`EPConfig.exchange`); rows not received hold `fill`."""
     axis = axis_name
     wire = buffer
     is_fp8 = buffer.dtype == quant.FP8_DTYPE
@@ -310,19 +295,14 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         )
         sent = jnp.minimum(routed, capacity)
         received = jax.lax.all_to_all(sent, self.config.axis_name, 0, 0, tiled=True)
-        exchange = dict(
-            config=self.config,
-            num_ranks=num_ranks,
-            capacity=capacity,
-            send_sizes=sent,
-            recv_sizes=received,
-        )
-        rows = _exchange(_scatter_rows(x, slot, num_rows, 0, is_per_pair=False), 0, **exchange)
+        sizes = dict(num_ranks=num_ranks, capacity=capacity, send_sizes=sent, recv_sizes=received)
+        exchange = self.config.exchange
+        rows = exchange(_scatter_rows(x, slot, num_rows, 0, is_per_pair=False), 0, **sizes)
         scales = None
         if x_scales is not None:
             scatter = _scatter_rows(x_scales, slot, num_rows, 0, is_per_pair=False)
-            scales = _exchange(scatter, 0, **exchange)
-        ids = _exchange(_scatter_rows(local, slot, num_rows, -1, is_per_pair=True), -1, **exchange)
+            scales = exchange(scatter, 0, **sizes)
+        ids = exchange(_scatter_rows(local, slot, num_rows, -1, is_per_pair=True), -1, **sizes)
         stats = EPStats(
             num_routed_per_rank=routed,
             num_dropped=jnp.sum(routed - sent, dtype=jnp.int32),
@@ -349,10 +329,9 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         # Weight 1 per received row: the outputs return unweighted, in the output dtype (exact
         # for bf16/float32 layers: the experts' GEMM2 output is already in that precision).
         per_row = weight_and_reduce.apply(expert_output, prepared.topk_weights, out_dtype=out_dtype)
-        back = _exchange(
+        back = self.config.exchange(
             per_row,
             0,
-            config=self.config,
             num_ranks=num_ranks,
             capacity=capacity,
             send_sizes=handle.num_recv_per_rank,
