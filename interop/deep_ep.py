@@ -21,14 +21,13 @@ DeepEP's int64 `topk_idx` (`deep_ep_layouts.topk_idx_words`): no cast kernel per
 
 Hazards: DeepEP allocates its dispatch outputs in torch's pool and the callback copies them into
 XLA's buffers (`LL_RECV_COPIES`); LL combine writes straight into XLA's output (no copy). Each
-callback costs host time (DLPack imports, DeepEP's Python wrapper): at decode sizes the LL
-round trip is host-bound (BENCHMARKS.md). The LL callbacks can
-be captured into XLA's CUDA graphs instead (`DeepEPLowLatency(command_buffer_compatible=True)`,
-`deep_ep_ll_graph` says how their allocations and DeepEP's buffer alternation are kept safe); the
-HT callbacks allocate outside any private pool and are never captured. Calls sharing a Buffer
-are ordered only by their data dependencies, which the handle provides between a dispatch and
-its combine; DeepEP's LL mode keeps two receive buffers, so at most two LL dispatches may be in
-flight before their combines.
+callback costs host time (DLPack imports, DeepEP's Python wrapper): at decode sizes the LL round
+trip is host-bound (BENCHMARKS.md). The LL callbacks can be captured into XLA's CUDA graphs
+instead (`DeepEPLowLatency(command_buffer_compatible=True)`; `deep_ep_ll_graph` says how their
+allocations and DeepEP's buffer alternation are kept safe); the HT callbacks allocate outside any
+private pool and are never captured. Calls sharing a Buffer are ordered only by their data
+dependencies, which the handle provides between a dispatch and its combine; DeepEP's LL mode
+keeps two receive buffers, so at most two LL dispatches may be in flight before their combines.
 """
 
 from __future__ import annotations

@@ -245,11 +245,3 @@ def ll_scales_from_storage(storage: jax.Array) -> jax.Array:
     """float32[E_local, G, T_tot] (how DeepEP LL allocates scales) -> [E_local, T_tot, G], the
     row view moe_jax's masked experts read. DeepGEMM's masked GEMM wants the storage itself."""
     return jnp.swapaxes(storage, 1, 2)
-
-
-def ll_clear_stale_rows(rows: jax.Array, recv_count: jax.Array) -> jax.Array:
-    """Zeroes rows at or past recv_count[e] (stale in DeepEP's buffer) of [E, T_tot, ...] rows."""
-    valid = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :] < recv_count[:, None]
-    return jnp.where(
-        valid.reshape(*valid.shape, *([1] * (rows.ndim - 2))), rows, jnp.zeros((), rows.dtype)
-    )

@@ -180,13 +180,10 @@ def test_ht_id_rewrite_round_trips_through_expert_map():
         assert back.tolist() == local.tolist()
 
 
-def test_ll_scale_views_and_stale_rows():
+def test_ll_scale_view():
     storage = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)  # [E, G, T]
     view = dl.ll_scales_from_storage(storage)
     assert view.shape == (2, 5, 3) and float(view[1, 4, 2]) == float(storage[1, 2, 4])
-    cleared = dl.ll_clear_stale_rows(jnp.full((2, 4, 3), jnp.nan), jnp.array([1, 3]))
-    assert np.isnan(cleared[0, 0]).all() and (cleared[0, 1:] == 0).all()
-    assert np.isnan(cleared[1, :3]).all() and (cleared[1, 3] == 0).all()
 
 
 def test_dispatch_ids_and_limits():
