@@ -18,11 +18,10 @@ the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down
     python -m benchmarks.kernel_gaps --shape B --variant moe_jax_fp8_fused_act_skipping
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
-Python, a synchronisation) or for an allocation. This is the profile issue 14 asks for; `bench
---breakdown` gives each stage's times jitted alone (by the host clock and, through
-`device_busy_ms`, by its kernels), this gives the same forward's kernels and what lies between
-them. Needs a GPU (the CPU backend's trace has no device kernels; the command says so and
-exits 2).
+Python, a synchronisation) or for an allocation. `stage_breakdown` gives each stage's times
+jitted alone (by the host clock and, through `device_busy_ms`, by its kernels); this gives the
+same forward's kernels and what lies between them. Needs a GPU (the CPU backend's trace has no
+device kernels; the command says so and exits 2).
 """
 
 from __future__ import annotations

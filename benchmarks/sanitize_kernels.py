@@ -400,6 +400,9 @@ def _parse(argv: list[str]) -> tuple[list[str], Shape]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     if sys.argv[1:] == ["--list"]:
         print("\n".join(sorted(kernels(SHAPE_TINY))))
         sys.exit(0)

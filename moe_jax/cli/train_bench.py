@@ -201,10 +201,13 @@ def run(shape_name: str, variants, *, iters: int, progress: TextIO | None = None
     rows = []
     for step, name in enumerate(variants, 1):
         print(f"[{step}/{len(variants)}] {shape.name} {name}", file=progress, flush=True)
-        if name == BASELINE:
-            row = run_torch_titan(args, ref, iters=iters)
-        else:
-            row = run_jax_variant(name, args, ref, iters=iters)
+        try:
+            if name == BASELINE:
+                row = run_torch_titan(args, ref, iters=iters)
+            else:
+                row = run_jax_variant(name, args, ref, iters=iters)
+        except Exception as error:  # e.g. out of memory while timing: report, go on
+            row = {"variant": name, "skipped": f"failed: {layer_report.skip_reason(error)}"}
         rows.append({"shape": shape_name, **row})
     baseline = next((r for r in rows if r["variant"] == BASELINE and "step ms" in r), None)
     for row in rows:
