@@ -19,6 +19,7 @@ Kernels:
   kernel_sass         what the Pallas kernels compile to on Hopper (SASS), without a GPU
   sanitize_kernels    every compiled kernel once, for compute-sanitizer (gpu_check.sh sanitize)
 Interop:
+  deep_gemm_options   DeepGEMM's FP8 grouped GEMMs under its process-wide options (alignment, ...)
   interop_bench       DeepGEMM and torch grouped GEMMs from jax.jit against torch's own calls
   deep_ep_ll_bench    DeepEP low latency through moe_jax on one GPU, run as a file: `python -m
                       moe_jax.distributed --num-processes 1 benchmarks/deep_ep_ll_bench.py`
