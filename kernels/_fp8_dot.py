@@ -5,7 +5,7 @@ Pallas' Triton lowering of `dot_general` (jax 0.10-0.11, `_dot_general_lowering`
 Triton then does not use Hopper's FP8 wgmma, whose accumulator is less precise than float32;
 it upcasts both operands to half precision and runs `mma.sync`. Triton's own `tl.dot` sets the
 attribute for FP8 operands, so a Triton kernel gets FP8 wgmma where a Pallas one does not.
-Offline (`python -m moe_jax.cli.kernel_sass`, pip triton 3.6.0, sm_90), the decode grouped
+Offline (`python -m benchmarks.kernel_sass`, pip triton 3.6.0, sm_90), the decode grouped
 GEMM's [128 x 64] tile compiles to 128 HMMA and 224 F2FP per program without the attribute and
 to 8 QGMMA and 32 F2FP with it (BENCHMARKS.md, "Prefill").
 

@@ -1,6 +1,6 @@
 """Lowering the kernels for the GPU they are tuned for, in any process: `lower_for_hopper`.
 
-Reading what a kernel compiles to (its Triton IR, `python -m moe_jax.cli.kernel_sass`) needs
+Reading what a kernel compiles to (its Triton IR, `python -m benchmarks.kernel_sass`) needs
 only its lowering, which JAX produces on a CPU machine when asked for the "cuda" platform. Pallas
 Triton also asks which GPU it lowers for: jax 0.10 assumed sm_90 in a process without one, while
 jax >= 0.11 refuses unless an abstract device names the GPU. `lower_for_hopper` names an H200

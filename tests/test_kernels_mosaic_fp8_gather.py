@@ -332,7 +332,7 @@ def test_backend_refuses_other_segments_and_the_layer_routes():
     [("mosaic_fp8_gathered_interpret", False), ("mosaic_fp8_interpret", True)],
 )
 def test_arrange_routes_where_gemm1_gathers_and_permutes_elsewhere(fused, has_rows):
-    """`ContiguousExperts.arrange` (what the layer and `bench --breakdown` run): the rowless
+    """`ContiguousExperts.arrange` (what the layer and `stage_breakdown` run): the rowless
     route for a gathering GEMM1, with each row's token; else the permuted rows, which equal
     the tokens at those rows. The two agree on where every pair goes."""
     experts = ContiguousExperts(gemm="xla", alignment=ALIGNMENT, fused_act_quant=fused)
