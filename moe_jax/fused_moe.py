@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 
+from moe_jax import quant
 from moe_jax.experts import Experts
 from moe_jax.experts_by_name import resolve_experts
 from moe_jax.modular import ModularMoE
 from moe_jax.prepare_finalize import NoEPPrepareFinalize
+from moe_jax.routing import require_static
+
+# Arguments that set shapes or choose code: under `jax.jit` they must be static.
+_STATIC_ARGNAMES = (
+    "activation",
+    "apply_router_weight_on_input",
+    "global_num_experts",
+    "chunk_size",
+    "experts",
+    "block_shape",
+)
 
 
 def fused_moe(
@@ -23,6 +37,7 @@ def fused_moe(
     expert_map: jax.Array | None = None,
     w1_scale: jax.Array | None = None,
     w2_scale: jax.Array | None = None,
+    block_shape: Sequence[int] | None = None,
     chunk_size: int | None = None,
     experts: str | Experts = "auto",
 ) -> jax.Array:
@@ -48,12 +63,19 @@ def fused_moe(
       w1_scale: float32[E, 2I/128, H/128] block scales of FP8 w1; only with FP8 weights (scales
         given with float weights raise, they would otherwise be ignored).
       w2_scale: float32[E, H/128, I/128] block scales of FP8 w2.
+      block_shape: the FP8 weights' tile, as vLLM's `fused_experts` takes it: None, or
+        [128, 128] (the only tile the FP8 path runs) with FP8 weights and their scales.
       chunk_size: run the experts over chunks of at most this many tokens (static shapes).
       experts: "auto" (the fastest that runs here), a name from `moe_jax.experts_names()`
         ("xla", "deep_gemm", "torch", ..., "deep_gemm_masked", ...), or an `Experts` object.
 
     Returns:
       [T, H] in hidden_states.dtype.
+
+    Under `jax.jit`, the arguments that are not arrays are static (a traced one raises a
+    TypeError naming it): `jax.jit(fused_moe, static_argnames=("activation",
+    "apply_router_weight_on_input", "global_num_experts", "chunk_size", "experts",
+    "block_shape"))`, with block_shape a tuple (static arguments must be hashable).
 
     Example:
       >>> import jax.numpy as jnp
@@ -62,6 +84,18 @@ def fused_moe(
       >>> [round(v, 4) for v in out[:, 0].tolist()]  # token 1 went to a missing expert
       [1.4621, 0.0]
     """
+    require_static(
+        "fused_moe",
+        _STATIC_ARGNAMES,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        global_num_experts=global_num_experts,
+        chunk_size=chunk_size,
+        experts=experts,
+        block_shape=block_shape,
+    )
+    if block_shape is not None:
+        _check_block_shape(block_shape, w1, w1_scale)
     layer = ModularMoE(NoEPPrepareFinalize(), resolve_experts(experts), chunk_size=chunk_size)
     return layer(
         hidden_states,
@@ -76,3 +110,26 @@ def fused_moe(
         w2_scale=w2_scale,
         apply_router_weight_on_input=apply_router_weight_on_input,
     )
+
+
+def _check_block_shape(block_shape: Sequence[int], w1: jax.Array, w1_scale) -> None:
+    """vLLM's `block_shape=[128, 128]` names the tile the scales were made for: accept the one
+    tile the FP8 path runs, and only beside FP8 weights (the scales' shapes are checked against
+    it with the other inputs)."""
+    try:
+        shape = tuple(block_shape)
+    except TypeError:
+        shape = None
+    if shape != quant.DEFAULT_BLOCK_SHAPE:
+        raise ValueError(
+            f"block_shape={block_shape!r}: only {list(quant.DEFAULT_BLOCK_SHAPE)} FP8 weight "
+            "tiles are supported (vLLM's and DeepSeek-V3's block recipe, DeepGEMM's layout); "
+            "quantize with moe_jax.quant.per_block_quant_fp8(w), whose default tile it is"
+        )
+    if w1.dtype != quant.FP8_DTYPE or w1_scale is None:
+        raise ValueError(
+            f"block_shape={block_shape!r} describes FP8 block-quantized weights, but "
+            f"w1.dtype={w1.dtype} and w1_scale is {'None' if w1_scale is None else 'given'}: "
+            "pass float8_e4m3fn w1/w2 with w1_scale/w2_scale (moe_jax.quant.per_block_quant_fp8), "
+            "or block_shape=None for float weights"
+        )

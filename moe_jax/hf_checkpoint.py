@@ -5,7 +5,8 @@ model.safetensors or shards listed by model.safetensors.index.json (`weight_map`
 shard file). `open_hf_layer` reads only the safetensors headers up front; a tensor is read from
 its shard (through `safetensors.safe_open`) when it is looked up, so a whole model is never in
 memory. safetensors and torch (for bf16 and float8_e4m3fn tensors, which numpy cannot hold) are
-imported inside the functions: `pip install moe_jax[hf]`.
+imported inside the functions: `pip install 'moe_jax[hf]'`. Functions that take the directory
+also take the path of its config.json.
 """
 
 from __future__ import annotations
@@ -22,13 +23,34 @@ INDEX_FILE = "model.safetensors.index.json"
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+def check_prefix(prefix: str, *, name: str = "prefix") -> None:
+    """Raises unless `prefix` is "" or ends with '.': keys are prefix + "mlp.gate.weight" etc."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"{name}={prefix!r} must be a str, such as 'model.layers.3.'")
+    if prefix and not prefix.endswith("."):
+        raise ValueError(
+            f"{name}={prefix!r} must end with '.' (keys are {name} + 'mlp.gate.weight' and the "
+            f"like): pass {prefix + '.'!r}"
+        )
+
+
+def checkpoint_directory(path: str | Path) -> Path:
+    """The checkpoint directory `path` names: itself, or the folder of its config.json (or of
+    model.safetensors, or of its index) when that file is given instead."""
+    path = Path(path)
+    if path.name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE) and path.is_file():
+        return path.parent
+    return path
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The dict of `path`/config.json.
+    """The dict of config.json in the checkpoint directory `path` (or at `path` itself).
 
     Raises:
       FileNotFoundError: no config.json in `path` (the message lists what is there).
     """
-    file = Path(path) / CONFIG_FILE
+    path = checkpoint_directory(path)
+    file = path / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(
             f"{file} does not exist; pass the checkpoint directory that holds config.json "
@@ -39,6 +61,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def _listing(path: str | Path) -> str:
     path = Path(path)
+    if path.is_file():
+        return f"{path} is a file; pass its directory"
     if not path.is_dir():
         return f"{path} is not a directory"
     names = sorted(p.name for p in path.iterdir())
@@ -65,7 +89,7 @@ def checkpoint_weight_map(path: str | Path) -> dict[str, Path]:
       FileNotFoundError: neither file exists (e.g. a pytorch_model.bin checkpoint, which is not
         read: convert it to safetensors).
     """
-    path = Path(path)
+    path = checkpoint_directory(path)
     if (path / INDEX_FILE).is_file():
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
         return {name: path / shard for name, shard in weight_map.items()}
@@ -134,6 +158,7 @@ def open_hf_layer(path: str | Path, prefix: str) -> LazyTensors:
       FileNotFoundError: no safetensors checkpoint in `path`.
       ValueError: no tensor name starts with `prefix` (the message lists the layers there).
     """
+    check_prefix(prefix)
     weight_map = checkpoint_weight_map(path)
     layer = {name: shard for name, shard in weight_map.items() if name.startswith(prefix)}
     if not layer:

@@ -19,6 +19,7 @@ Mixtral/Qwen compute the router logits in the activation dtype where `MoE` uses 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,13 @@ except ImportError as error:  # flax is an optional extra
 
 from moe_jax import quant
 from moe_jax.flax_layer import MoE
-from moe_jax.hf_checkpoint import open_hf_layer, read_hf_config
-from moe_jax.hf_config import SUPPORTED_MODEL_TYPES, dense_layer_reason, moe_kwargs_from_hf_config
+from moe_jax.hf_checkpoint import check_prefix, open_hf_layer, read_hf_config
+from moe_jax.hf_config import (
+    SUPPORTED_MODEL_TYPES,
+    dense_layer_reason,
+    hf_config_dict,
+    moe_kwargs_from_hf_config,
+)
 from moe_jax.hf_weights import (
     HF_NAMINGS,
     HFNaming,
@@ -107,37 +113,71 @@ def load_hf_moe(layer: MoE, state_dict: Mapping[str, Any], prefix: str = "") -> 
       prefix: the decoder layer prefix, e.g. "model.layers.3.".
 
     Raises:
-      ValueError: a param the layer has is absent from the checkpoint or vice versa, or a shape
-        differs (the message names the param, both shapes and the fix); no MoE block under
-        the prefix.
+      ValueError: a param the layer has is absent from the checkpoint or vice versa (checked
+        from the keys, before any tensor is read), or a shape differs (the message names the
+        param, both shapes and the fix); no MoE block under the prefix.
       KeyError: expert weights are missing.
     """
-    arrays = _layer_arrays(layer, hf_moe_params(state_dict, prefix))
+    return _load(layer, state_dict, prefix, config=None)
+
+
+def _load(layer: MoE, state_dict: Mapping[str, Any], prefix: str, *, config: str | None) -> MoE:
+    """`load_hf_moe`; `config` describes the config the layer was built from (its mismatch with
+    the weights is then named as such), None for a layer the caller built."""
+    naming = detect_hf_naming(state_dict, prefix)  # keys only: mismatches fail before any read
     layer_params = {name for name, v in vars(layer).items() if isinstance(v, nnx.Param)}
-    if extra := sorted(set(arrays) - layer_params):
-        raise ValueError(
-            f"the checkpoint under {prefix!r} has {extra} but the layer does not: build it with "
-            "router=RouterConfig(use_correction_bias=True, ...) for e_score_correction_bias and "
-            "num_shared_experts > 0 for shared_* (and has_shared_expert_gate=True for "
-            "shared_gate_kernel)"
-        )
-    if absent := sorted(layer_params - set(arrays)):
-        raise ValueError(
-            f"the layer has params {absent} that the checkpoint under {prefix!r} "
-            "lacks: build the layer without them"
-        )
+    wanted = {name for name in layer_params if not name.endswith("_scale")}
+    if wanted != naming.param_names:
+        raise ValueError(_mismatch(naming, prefix, wanted, config))
+    arrays = _layer_arrays(layer, hf_moe_params(state_dict, prefix))
     for name in sorted(layer_params):
         # pop: each host array is freed once the layer holds its copy (peak: one extra param)
         var, value = getattr(layer, name), arrays.pop(name)
         current = var.get_value()
         if tuple(current.shape) != value.shape:
+            built = f"{config} gives" if config else "the layer holds"
             raise ValueError(
-                f"{name}: the layer holds {tuple(current.shape)} but the checkpoint "
-                f"under {prefix!r} gives {value.shape}; match hidden_size, "
-                "intermediate_size, num_experts and num_shared_experts"
+                f"{name}: {built} {tuple(current.shape)} but the weights under {prefix!r} "
+                f"give {value.shape}; "
+                + (
+                    "config and weights do not match: pass the config.json of the checkpoint "
+                    "the weights come from"
+                    if config
+                    else "match hidden_size, intermediate_size, num_experts and num_shared_experts"
+                )
             )
         var.set_value(jnp.asarray(value, dtype=current.dtype))
     return layer
+
+
+def _mismatch(naming: HFNaming, prefix: str, wanted: set[str], config: str | None) -> str:
+    """Which params the layer (or its config) and the weights disagree on, as checkpoint keys."""
+    shared = naming.shared or "shared_experts"
+    keys = {
+        "e_score_correction_bias": f"{prefix}{naming.module}gate.e_score_correction_bias",
+        "shared_w1": f"{prefix}mlp.{shared}.gate_proj/up_proj.weight",
+        "shared_w2": f"{prefix}mlp.{shared}.down_proj.weight",
+        "shared_gate_kernel": f"{prefix}mlp.shared_expert_gate.weight",
+    }
+    found = [f"{prefix}{naming.module}gate.weight", f"{prefix}{naming.module}experts.*"]
+    found += [keys[n] for n in sorted(naming.param_names) if n in keys]
+    expected = ", ".join(f"{n} ({keys[n]})" for n in sorted(wanted - naming.param_names))
+    unexpected = ", ".join(f"{keys[n]} ({n})" for n in sorted(naming.param_names - wanted))
+    built = config or "the layer"
+    problems = [f"{built} expects {expected}, which the weights lack"] if expected else []
+    problems += [f"the weights hold {unexpected}, which {built} lacks"] if unexpected else []
+    problems = f"{'; '.join(problems)} (found under {prefix!r}: {found})"
+    if config is not None:
+        return (
+            f"config and weights do not match: {problems}; pass the config.json of the "
+            "checkpoint these weights come from (or the prefix of a layer the config describes)"
+        )
+    return (
+        f"{problems}; build the layer to match: with or without "
+        "router=RouterConfig(use_correction_bias=True, ...) for e_score_correction_bias, "
+        "num_shared_experts > 0 for shared_* and has_shared_expert_gate=True for "
+        "shared_gate_kernel"
+    )
 
 
 def moe_from_hf(
@@ -174,7 +214,17 @@ def moe_from_hf(
     """
     kwargs = moe_kwargs_from_hf_config(config) | layer_kwargs
     layer = nnx.eval_shape(lambda: MoE(**kwargs, rngs=nnx.Rngs(0)))
-    load_hf_moe(layer, state_dict, prefix)
+    sizes = ("hidden_size", "intermediate_size", "num_experts", "num_shared_experts")
+    described = ", ".join(f"{k}={kwargs[k]}" for k in sizes if k in kwargs)
+    model_type = hf_config_dict(config).get("model_type")
+    if model_type != "mixtral" and detect_hf_naming(state_dict, prefix).module != "mlp.":
+        raise ValueError(
+            f"config and weights do not match: the weights under {prefix!r} are a Mixtral "
+            f"block ({prefix}block_sparse_moe.*) but the config has {model_type=}; pass the "
+            "config.json of the checkpoint these weights come from"
+        )
+    with_kwargs = f" with layer_kwargs {sorted(layer_kwargs)}" if layer_kwargs else ""
+    _load(layer, state_dict, prefix, config=f"the {model_type} config ({described}){with_kwargs}")
     leftover = [
         name
         for name, v in vars(layer).items()
@@ -203,7 +253,8 @@ def moe_from_pretrained(
 
     Args:
       path: the checkpoint directory (config.json and safetensors files), e.g. a
-        `huggingface_hub.snapshot_download` result or a `save_pretrained` output.
+        `huggingface_hub.snapshot_download` result or a `save_pretrained` output, or the path
+        of its config.json.
       layer_index: the decoder layer, from 0.
       layers_prefix: the name of the decoder layers in the checkpoint; tensors are read from
         f"{layers_prefix}{layer_index}.".
@@ -215,13 +266,15 @@ def moe_from_pretrained(
         which config field makes it dense), or as `moe_from_hf`.
       NotImplementedError: as `moe_kwargs_from_hf_config` and `load_hf_moe`.
     """
+    if isinstance(layer_index, bool) or not isinstance(layer_index, numbers.Integral):
+        example = int(layer_index) if str(layer_index).isdigit() else 3
+        raise TypeError(
+            f"layer_index={layer_index!r} must be an int: the decoder layer, counted from 0 "
+            f"(e.g. moe_from_pretrained(path, {example}))"
+        )
     if layer_index < 0:
         raise ValueError(f"layer_index={layer_index} must be >= 0 (decoder layers count from 0)")
-    if not layers_prefix.endswith("."):
-        raise ValueError(
-            f"layers_prefix={layers_prefix!r} must end with '.' (e.g. 'model.layers.'): the "
-            "layer's keys are layers_prefix + index + '.'"
-        )
+    check_prefix(layers_prefix, name="layers_prefix")
     config = read_hf_config(path)
     moe_kwargs_from_hf_config(config)  # unsupported model types fail before any tensor is read
     num_layers = config.get("num_hidden_layers")

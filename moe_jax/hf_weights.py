@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from moe_jax import quant
+from moe_jax.hf_checkpoint import check_prefix
 
 HF_NAMINGS = (
     "block_sparse_moe.experts.{e}.w1/w3/w2.weight (Mixtral checkpoints)",
@@ -71,6 +72,14 @@ class HFNaming:
     def router_key(self) -> str:
         return self.module + "gate.weight"
 
+    @property
+    def param_names(self) -> set[str]:
+        """The `MoE` params (block scales aside) that this block's tensors fill."""
+        names = {"router_kernel", "w1", "w2"}
+        names |= {"e_score_correction_bias"} if self.has_correction_bias else set()
+        names |= {"shared_w1", "shared_w2"} if self.shared else set()
+        return names | ({"shared_gate_kernel"} if self.shared == "shared_expert" else set())
+
     def expert_key(self, e: int, which: int) -> str:
         """Per-expert weight key of projection `which` (0 gate, 1 up, 2 down) of expert e."""
         return f"{self.module}experts.{e}.{self.projections[which]}.weight"
@@ -109,6 +118,7 @@ def detect_hf_naming(state_dict: Mapping[str, Any], prefix: str = "") -> HFNamin
       ValueError: no MoE block under the prefix (the message says whether the layer is a dense
         MLP, and lists the keys found), or experts in none of `HF_NAMINGS`.
     """
+    check_prefix(prefix)
     module = next(
         (m for m in ("block_sparse_moe.", "mlp.") if prefix + m + "gate.weight" in state_dict),
         None,

@@ -78,7 +78,8 @@ def check_moe_inputs(
             if s.shape != expected or s.dtype != jnp.float32:
                 raise ValueError(
                     f"{name}_scale is {s.dtype}{list(s.shape)} but float32"
-                    f"{list(expected)} is needed for {name}.shape={w.shape}"
+                    f"{list(expected)} is needed for {name}.shape={w.shape} (one scale per "
+                    f"{block}x{block} tile: block_shape={list(quant.DEFAULT_BLOCK_SHAPE)})"
                 )
     elif not jnp.issubdtype(w1.dtype, jnp.floating):
         raise TypeError(f"w1.dtype={w1.dtype}; use a float dtype or float8_e4m3fn with scales")

@@ -43,7 +43,8 @@ def per_token_group_quant_fp8(x: jax.Array, group_size: int = 128) -> tuple[jax.
 
     Args:
       x: float[..., H] activations (any float dtype; computed in float32).
-      group_size: columns per scale; H must be a multiple of it.
+      group_size: columns per scale; H must be a multiple of it (`fused_moe`'s FP8 path uses
+        128).
 
     Returns:
       (q, scales): q float8_e4m3fn[..., H] and scales float32[..., H // group_size] with
@@ -58,7 +59,8 @@ def per_token_group_quant_fp8(x: jax.Array, group_size: int = 128) -> tuple[jax.
     hidden = x.shape[-1]
     if group_size <= 0 or hidden % group_size:
         raise ValueError(
-            f"x.shape={x.shape}: the last dimension must be a multiple of {group_size=}"
+            f"x.shape={x.shape}: its last dimension H={hidden} must be a multiple of "
+            f"{group_size=} (a positive group width); pad H or pick a group_size that divides it"
         )
     groups = x.astype(jnp.float32).reshape(*x.shape[:-1], hidden // group_size, group_size)
     amax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
@@ -82,7 +84,8 @@ def dequant_per_token_group(q: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def block_scale_shape(shape: tuple[int, ...], block_shape=DEFAULT_BLOCK_SHAPE) -> tuple[int, ...]:
-    """Shape of the scales of a `[..., N, K]` weight quantized in `block_shape` tiles."""
+    """Shape of the scales of a `[..., N, K]` weight in `block_shape` tiles (ragged edge tiles,
+    as some checkpoints hold them, count as tiles)."""
     bn, bk = block_shape
     *lead, n, k = shape
     return (*lead, math.ceil(n / bn), math.ceil(k / bk))
@@ -93,27 +96,43 @@ def per_block_quant_fp8(
 ) -> tuple[jax.Array, jax.Array]:
     """Quantizes weights to FP8 with one scale per `block_shape` tile.
 
+    N and K must be multiples of the tile's sides, as `fused_moe`'s FP8 path needs: with the
+    default tile, H and I multiples of 128 once both w1 and w2 are quantized (w1's K is H, w2's
+    is I). Keep other sizes in bfloat16.
+
     Args:
       w: float[..., N, K] weights (vLLM layout: w1 [E, 2I, H], w2 [E, H, I]).
-      block_shape: (rows, columns) per scale; ragged edge tiles get their own scale.
+      block_shape: (rows, columns) per scale; `fused_moe` runs (128, 128) only.
 
     Returns:
-      (wq, scales): float8_e4m3fn[..., N, K] and float32[..., ceil(N/bn), ceil(K/bk)], so that
+      (wq, scales): float8_e4m3fn[..., N, K] and float32[..., N/bn, K/bk], so that
       `w[n, k] ~= wq[n, k] * scales[n // bn, k // bk]`.
+
+    Example:
+      >>> wq, s = per_block_quant_fp8(jnp.ones((2, 256, 128)))
+      >>> wq.dtype, s.shape
+      (dtype(float8_e4m3fn), (2, 2, 1))
     """
     _check_floating(w, "w")
     bn, bk = block_shape
+    if w.ndim < 2:
+        raise ValueError(f"w.shape={w.shape} but [..., N, K] weights are needed")
     *lead, n, k = w.shape
-    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
-    padded = jnp.pad(
-        w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, gn * bn - n), (0, gk * bk - k)]
-    )
-    tiles = padded.reshape(*lead, gn, bn, gk, bk)
+    for size, tile, what in (
+        (n, bn, "N (the rows: 2I of w1, H of w2)"),
+        (k, bk, "K (the columns: H of w1, I of w2)"),
+    ):
+        if tile <= 0 or size % tile:
+            raise ValueError(
+                f"w.shape={w.shape}: {what} = {size} is not a multiple of the tile's {tile} "
+                f"({block_shape=}); fused_moe's FP8 path needs H and I multiples of 128, so "
+                "keep weights of other sizes in bfloat16"
+            )
+    tiles = w.astype(jnp.float32).reshape(*lead, n // bn, bn, k // bk, bk)
     amax = jnp.max(jnp.abs(tiles), axis=(-3, -1), keepdims=True)
     scales = divide(jnp.maximum(amax, SCALE_EPS), jnp.float32(FP8_MAX))
     q = jnp.clip(divide(tiles, scales), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    q = q.reshape(*lead, gn * bn, gk * bk)[..., :n, :k]
-    return q, scales[..., 0, :, 0]
+    return q.reshape(w.shape), scales[..., 0, :, 0]
 
 
 def dequant_per_block(

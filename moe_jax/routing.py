@@ -16,6 +16,31 @@ import jax
 import jax.numpy as jnp
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+# Arguments that set shapes or choose code: under `jax.jit` they must be static.
+_FUSED_TOPK_STATIC = ("topk", "renormalize", "scoring_func")
+_GROUPED_TOPK_STATIC = ("topk", "renormalize", "num_expert_group", "topk_group", "scoring_func")
+
+
+def require_static(fn: str, static_argnames: tuple[str, ...], **values) -> None:
+    """Raises a TypeError naming the arguments of `values` that arrived as tracers.
+
+    `jax.jit(fn)` traces every argument it is given, Python ints and bools included, unless it is
+    marked static; `fn`'s `static_argnames` set shapes or choose code, so they cannot be traced.
+    A sequence (such as `block_shape`) counts as traced when an element is.
+    """
+    traced = [
+        name
+        for name, value in values.items()
+        if isinstance(value, jax.core.Tracer)
+        or (isinstance(value, (list, tuple)) and any(isinstance(v, jax.core.Tracer) for v in value))
+    ]
+    if traced:
+        raise TypeError(
+            f"{fn}: {', '.join(traced)} arrived traced, but must be Python values known when "
+            f"{fn} is traced (they set shapes and choose the code that runs). Under jax.jit, "
+            f"mark them static: jax.jit({fn}, static_argnames={static_argnames}), or close over "
+            f"them: jax.jit(lambda ...: {fn}(..., {traced[0]}=...))"
+        )
 
 
 def require_int(name: str, value) -> int:
@@ -60,6 +85,16 @@ def fused_topk(
 ) -> tuple[jax.Array, jax.Array]:
     """Picks each token's k best experts.
 
+    Under `jax.jit`, topk, renormalize and scoring_func are static:
+    `jax.jit(fused_topk, static_argnames=("topk", "renormalize", "scoring_func"))`.
+
+    NaN logits are not checked (a check would cost a device-to-host sync). A NaN makes its token's
+    scores NaN (softmax: the whole row; sigmoid: that expert's): the token's ids stay distinct
+    expert ids in [0, E), but which ones is unspecified, and its weights are NaN wherever a NaN
+    score is chosen (with `renormalize`, all k). Other tokens are unaffected. To refuse NaN
+    logits, run under checkify: `checkify.checkify(fused_topk, errors=checkify.float_checks)`
+    returns an error naming the primitive that made the first NaN.
+
     Args:
       gating_output: float[T, E] router logits (computed in float32).
       topk: k.
@@ -75,6 +110,13 @@ def fused_topk(
       >>> ids.tolist(), [round(v, 3) for v in w[0].tolist()]
       ([[1, 3]], [0.5, 0.5])
     """
+    require_static(
+        "fused_topk",
+        _FUSED_TOPK_STATIC,
+        topk=topk,
+        renormalize=renormalize,
+        scoring_func=scoring_func,
+    )
     _check_logits(gating_output, topk)
     scores = _scores(gating_output.astype(jnp.float32), scoring_func)
     weights, ids = jax.lax.top_k(scores, topk)
@@ -111,12 +153,27 @@ def grouped_topk(
       (topk_weights float32[T, k], topk_ids int32[T, k]); the k order is by descending selection
       score, but callers should treat it as unspecified (vLLM does not define it).
 
+    Under `jax.jit`, every argument but the arrays and routed_scaling_factor is static:
+    `jax.jit(grouped_topk, static_argnames=("topk", "renormalize", "num_expert_group",
+    "topk_group", "scoring_func"))`. NaN logits are not checked; as in `fused_topk`, a token with
+    a NaN logit gets distinct ids in [0, E), unspecified, and NaN weights wherever a NaN score is
+    chosen; `checkify.float_checks` refuses them.
+
     Example:
       >>> logits = jnp.array([[0.0, 5.0, 4.0, 0.0, 3.0, 3.0, 0.0, 0.0]])
       >>> w, ids = grouped_topk(logits, 2, True, num_expert_group=4, topk_group=1)
       >>> ids.tolist()
       [[1, 0]]
     """
+    require_static(
+        "grouped_topk",
+        _GROUPED_TOPK_STATIC,
+        topk=topk,
+        renormalize=renormalize,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        scoring_func=scoring_func,
+    )
     _check_logits(gating_output, topk)
     require_int("num_expert_group", num_expert_group)
     require_int("topk_group", topk_group)

@@ -160,6 +160,20 @@ def test_checkpoint_directory_errors(tiny_models, tmp_path):
         moe_from_pretrained(tmp_path / "bin", 0)
 
 
+def test_checkpoint_path_may_name_its_config_json_and_the_layer_must_be_an_int(tiny_models):
+    model, path = tiny_models["qwen3_moe"]
+    want = hf_forward(model.model.layers[1].mlp, tokens())
+    for where in (path / "config.json", str(path / "config.json")):
+        layer = moe_from_pretrained(where, np.int64(1))  # NumPy integers are ints
+        np.testing.assert_allclose(np.asarray(layer(tokens())), want, **TOL)
+    with pytest.raises(TypeError, match=r"layer_index='1' must be an int.*\(path, 1\)"):
+        moe_from_pretrained(path, "1")  # used to be "'<' not supported between 'str' and 'int'"
+    with pytest.raises(TypeError, match=r"layer_index=1\.0 must be an int"):
+        moe_from_pretrained(path, 1.0)
+    with pytest.raises(FileNotFoundError, match=r"generation_config\.json is a file; pass its dir"):
+        moe_from_pretrained(path / "generation_config.json", 1)
+
+
 # --- DeepSeek-V3 FP8 -------------------------------------------------------------------------
 
 

@@ -210,11 +210,13 @@ def test_torch_bf16_tensors_load_like_numpy():
 
 
 def _fp8_checkpoint(sd: dict, *, as_torch: bool) -> dict:
-    """DeepSeek-V3 FP8 layout: each expert/shared linear as e4m3 + `weight_scale_inv` blocks."""
+    """DeepSeek-V3 FP8 layout: each expert/shared linear as e4m3 + `weight_scale_inv` blocks
+    (ragged edge tiles where I is not a multiple of 128, which `quant.per_block_quant_fp8`
+    refuses: the oracle makes them)."""
     out = {}
     for k, v in sd.items():
         if ".experts." in k or ".shared_experts." in k:
-            wq, s = (np.asarray(a) for a in quant.per_block_quant_fp8(jnp.asarray(v)))
+            wq, s = oracles.per_block_quant_fp8(v)
             out[k], out[k + "_scale_inv"] = wq, s
         else:
             out[k] = v
@@ -417,7 +419,7 @@ def test_layer_checkpoint_mismatch_errors():
     with pytest.raises(ValueError, match="e_score_correction_bias"):
         load_hf_moe(plain, ds, PREFIX)
     shared = _abstract(32, 16, num_shared_experts=1)
-    with pytest.raises(ValueError, match=r"shared_w1.*lacks"):
+    with pytest.raises(ValueError, match=r"the layer expects shared_w1 .*which the weights lack"):
         load_hf_moe(shared, make_state_dict(CASES["qwen3_moe"]), PREFIX)
     wide = _abstract(32, 24)
     with pytest.raises(ValueError, match=r"w1: the layer holds \(8, 48, 32\).*\(8, 32, 32\)"):
@@ -434,3 +436,82 @@ def test_abstract_build_does_no_random_init():
     layer = moe_from_hf(sd, PREFIX, cfg)
     leaves = jax.tree.leaves(nnx.state(layer))
     assert leaves and all(isinstance(v, jax.Array) for v in leaves)
+
+
+# --- inputs a newcomer gets wrong ----------------------------------------------------------------
+
+
+class _CountingDict(dict):
+    """A state dict that counts tensor reads (key lookups by `[]`), as a lazy checkpoint would."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        self.reads += 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize(
+    "weights,config,match",
+    [
+        pytest.param(
+            "qwen3_moe",
+            "deepseek_v3",
+            r"config and weights do not match: the deepseek_v3 config \(hidden_size=32.*\) "
+            r"expects e_score_correction_bias \(model\.layers\.3\.mlp\.gate\."
+            r"e_score_correction_bias\), shared_w1 .*which the weights lack \(found under "
+            r"'model\.layers\.3\.': \['model\.layers\.3\.mlp\.gate\.weight', "
+            r"'model\.layers\.3\.mlp\.experts\.\*'\]\); pass the config\.json",
+            id="qwen_weights_deepseek_config",
+        ),
+        pytest.param(
+            "deepseek_v3",
+            "qwen3_moe",
+            r"config and weights do not match: the weights hold model\.layers\.3\.mlp\.gate\."
+            r"e_score_correction_bias .*which the qwen3_moe config .* lacks",
+            id="deepseek_weights_qwen_config",
+        ),
+        pytest.param(
+            "mixtral",
+            "qwen3_moe",
+            r"config and weights do not match: .* Mixtral block .*model_type='qwen3_moe'",
+            id="mixtral_weights_qwen_config",
+        ),
+    ],
+)
+def test_config_and_weights_that_do_not_match_are_named_so(weights, config, match):
+    """Built from the config, the layer is not the user's: the error says the config and the
+    weights disagree (it used to say "build the layer without them"), from the keys alone."""
+    sd = _CountingDict(make_state_dict(CASES[weights]))
+    with pytest.raises(ValueError, match=match):
+        moe_from_hf(sd, PREFIX, make_config(config))
+    assert sd.reads == 0
+
+
+def test_config_sizes_that_do_not_match_the_weights_are_named_so():
+    with pytest.raises(
+        ValueError,
+        match=r"w1: the qwen3_moe config \(hidden_size=32, intermediate_size=8, num_experts=8\) "
+        r"gives \(8, 16, 32\) but the weights under 'model\.layers\.3\.' give \(8, 32, 32\);"
+        r" config and weights do not match",
+    ):
+        moe_from_hf(make_state_dict(CASES["qwen3_moe"]), PREFIX, make_config("qwen3_moe", inter=8))
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        pytest.param(
+            lambda sd: moe_from_hf(sd, "model.layers.3", CASES["qwen3_moe"]), id="moe_from_hf"
+        ),
+        pytest.param(lambda sd: hf_moe_params(sd, "model.layers.3"), id="hf_moe_params"),
+        pytest.param(lambda sd: detect_hf_naming(sd, "model.layers.3"), id="detect"),
+    ],
+)
+def test_a_prefix_without_its_trailing_dot_is_refused_suggesting_it(load):
+    with pytest.raises(
+        ValueError, match=r"prefix='model\.layers\.3' must end with '\.'.*pass 'model\.layers\.3\.'"
+    ):
+        load(make_state_dict(CASES["qwen3_moe"]))
+    with pytest.raises(TypeError, match=r"prefix=3 must be a str"):
+        hf_moe_params({}, 3)

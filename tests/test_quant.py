@@ -11,6 +11,7 @@ import numpy as np
 import oracles
 import pytest
 
+import moe_jax
 from moe_jax import quant
 
 pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
@@ -93,16 +94,14 @@ class BlockProblem:
 BLOCK_PROBLEMS = [
     BlockProblem("N256_K128", (256, 128)),
     BlockProblem("E2_N256_K384", (2, 256, 384)),
-    BlockProblem("E3_N200_K130_ragged", (3, 200, 130)),
-    BlockProblem("N5_K7_tiny", (5, 7)),
-    BlockProblem("E2_N96_K80_b64x32", (2, 96, 80), block_shape=(64, 32)),
+    BlockProblem("E3_N128_K256", (3, 128, 256)),
+    BlockProblem("E2_N128_K96_b64x32", (2, 128, 96), block_shape=(64, 32)),
 ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("problem", BLOCK_PROBLEMS, ids=str)
 def test_per_block_quant_fp8_is_bitwise_the_oracle(problem, dtype):
-    """Including ragged edge tiles, which get their own scale from their own elements."""
     rng = np.random.default_rng(oracles.seed("block", str(problem), dtype))
     w = rng.standard_normal(problem.shape) * np.exp2(rng.integers(-10, 4, problem.shape))
     w = w.astype(DTYPES[dtype])
@@ -113,13 +112,43 @@ def test_per_block_quant_fp8_is_bitwise_the_oracle(problem, dtype):
     np.testing.assert_array_equal(_bits(s), _bits(ref_s))
 
 
-def test_ragged_edge_tile_has_its_own_scale():
-    w = np.ones((130, 129), np.float32)
-    w[129, 128] = 7.0  # alone in the bottom-right 2x1 tile
+def test_each_tile_has_its_own_scale():
+    w = np.ones((256, 256), np.float32)
+    w[255, 128] = 7.0  # in the bottom-right tile
     _, s = quant.per_block_quant_fp8(jnp.asarray(w))
     np.testing.assert_array_equal(
         np.asarray(s) * 448, np.array([[1.0, 1.0], [1.0, 7.0]], np.float32)
     )
+
+
+@pytest.mark.parametrize(
+    "shape,match",
+    [
+        # H = 96: w1 [E, 2I, H] has K = 96, which fused_moe would refuse only later
+        pytest.param((2, 256, 96), r"K \(the columns: H of w1, I of w2\) = 96", id="w1_H96"),
+        pytest.param((2, 96, 128), r"N \(the rows: 2I of w1, H of w2\) = 96", id="w2_H96"),
+        pytest.param((2, 128, 200), r"K .* = 200 is not a multiple of the tile's 128", id="I200"),
+    ],
+)
+def test_sizes_fused_moe_cannot_run_are_refused_when_quantized(shape, match):
+    """fused_moe's FP8 path needs H and I multiples of 128: the quantizer refuses the rest,
+    naming the dimension, instead of making scales that fused_moe refuses later."""
+    with pytest.raises(ValueError, match=match):
+        quant.per_block_quant_fp8(jnp.ones(shape))
+
+
+def test_fused_moe_refuses_what_the_quantizer_refuses():
+    hidden, inter = 96, 128
+    with pytest.raises(ValueError, match="H and I to be multiples of 128: H=96"):
+        moe_jax.fused_moe(
+            jnp.ones((4, hidden)),
+            jnp.ones((2, 2 * inter, hidden), jnp.float8_e4m3fn),
+            jnp.ones((2, hidden, inter), jnp.float8_e4m3fn),
+            jnp.ones((4, 1)),
+            jnp.zeros((4, 1), jnp.int32),
+            w1_scale=jnp.ones((2, 2, 1)),
+            w2_scale=jnp.ones((2, 1, 1)),
+        )
 
 
 @pytest.mark.parametrize("problem", GROUP_PROBLEMS[:4], ids=str)
@@ -168,7 +197,7 @@ def test_fp8_block_quant_config():
         pytest.param(
             lambda: quant.per_token_group_quant_fp8(jnp.ones((2, 100))),
             ValueError,
-            r"x\.shape.*group_size=128",
+            r"x\.shape.*H=100 must be a multiple of group_size=128",
             id="group_H_not_multiple",
         ),
         pytest.param(

@@ -292,3 +292,113 @@ def test_counts_must_be_ints_and_a_bad_one_leaves_later_calls_working(route, mat
     assert ids.shape == (3, 2) and weights.shape == (3, 2)
     assert grouped_topk(logits, 2, True, 4, 2)[1].shape == (3, 2)
     assert fused_topk(logits, np.int64(2))[1].shape == (3, 2)  # NumPy integers are ints
+
+
+# --- under jax.jit ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route,traced,static_argnames",
+    [
+        pytest.param(
+            lambda x, k: fused_topk(x, k),
+            "topk",
+            ("topk", "renormalize", "scoring_func"),
+            id="fused_k",
+        ),
+        pytest.param(
+            lambda x, r: fused_topk(x, 2, r),
+            "renormalize",
+            ("topk", "renormalize", "scoring_func"),
+            id="fused_renormalize",
+        ),
+        pytest.param(
+            lambda x, g: grouped_topk(x, 2, True, num_expert_group=g, topk_group=2),
+            "num_expert_group",
+            ("topk", "renormalize", "num_expert_group", "topk_group", "scoring_func"),
+            id="grouped_groups",
+        ),
+    ],
+)
+def test_a_traced_static_argument_is_refused_naming_it(route, traced, static_argnames):
+    """`jax.jit(fused_topk)(logits, 2)` traces the 2: the error says which argument and how to
+    mark it static (it used to be "topk=JitTracer(~int32[]) must be an int")."""
+    value = True if traced == "renormalize" else 4
+    with pytest.raises(TypeError, match=rf"{traced} arrived traced") as raised:
+        jax.jit(route)(jnp.ones((3, 8)), value)
+    assert f"static_argnames={static_argnames}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "fn,static_argnames,kwargs",
+    [
+        pytest.param(
+            fused_topk,
+            ("topk", "renormalize", "scoring_func"),
+            dict(topk=2, renormalize=False, scoring_func="sigmoid"),
+            id="fused",
+        ),
+        pytest.param(
+            grouped_topk,
+            ("topk", "renormalize", "num_expert_group", "topk_group", "scoring_func"),
+            dict(
+                topk=2, renormalize=False, num_expert_group=4, topk_group=2, scoring_func="sigmoid"
+            ),
+            id="grouped",
+        ),
+    ],
+)
+def test_the_documented_static_argnames_run_under_jit(fn, static_argnames, kwargs):
+    doc = " ".join(fn.__doc__.split())
+    listed = "(" + ", ".join(f'"{n}"' for n in static_argnames) + ")"
+    assert f"jax.jit({fn.__name__}, static_argnames={listed})" in doc
+    logits = jax.random.normal(jax.random.key(1), (5, 8))
+    got = jax.jit(fn, static_argnames=static_argnames)(logits, **kwargs)
+    want = fn(logits, **kwargs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+# --- NaN logits: documented, not checked --------------------------------------------------------
+
+NAN_ROUTES = [
+    pytest.param(lambda x: fused_topk(x, 2), "softmax", id="fused_softmax"),
+    pytest.param(lambda x: fused_topk(x, 2, scoring_func="sigmoid"), "sigmoid", id="fused_sigmoid"),
+    pytest.param(lambda x: grouped_topk(x, 2, True, 4, 2), "softmax", id="grouped_softmax"),
+    pytest.param(
+        lambda x: grouped_topk(x, 2, True, 4, 2, "sigmoid", jnp.zeros(8)),
+        "sigmoid",
+        id="grouped_sigmoid_bias",
+    ),
+]
+
+
+@pytest.mark.parametrize("route,scoring_func", NAN_ROUTES)
+def test_nan_logits_give_valid_ids_and_stay_in_their_token(route, scoring_func):
+    """As the docstrings say: a token with a NaN logit gets distinct ids in [0, E) and NaN
+    weights wherever a NaN score is chosen (softmax: all of them); other tokens are unaffected."""
+    logits = jax.random.normal(jax.random.key(2), (4, 8))
+    poisoned = logits.at[1, 5].set(jnp.nan).at[3].set(jnp.nan)  # one NaN; a whole row of NaN
+    weights, ids = (np.asarray(a) for a in route(poisoned))
+    clean_weights, clean_ids = (np.asarray(a) for a in route(logits))
+    for t in (0, 2):
+        np.testing.assert_array_equal(ids[t], clean_ids[t])
+        np.testing.assert_array_equal(weights[t], clean_weights[t])
+    assert ((ids >= 0) & (ids < 8)).all()
+    assert all(len(set(row)) == 2 for row in ids.tolist())
+    assert np.isnan(weights[3]).all()
+    if scoring_func == "softmax":  # softmax spreads token 1's NaN over its whole row
+        assert np.isnan(weights[1]).all()
+    else:  # sigmoid: NaN only where expert 5 was chosen (renormalize then spreads it)
+        assert np.isnan(weights[1]).any() == (5 in ids[1])
+
+
+@pytest.mark.parametrize("route,scoring_func", NAN_ROUTES)
+def test_checkify_float_checks_refuse_nan_logits(route, scoring_func):
+    from jax.experimental import checkify
+
+    checked = jax.jit(checkify.checkify(route, errors=checkify.float_checks))
+    logits = jax.random.normal(jax.random.key(3), (4, 8))
+    assert checked(logits)[0].get() is None
+    error = checked(logits.at[2, 1].set(jnp.nan))[0].get()
+    assert error is not None and "nan generated" in error
