@@ -1,5 +1,8 @@
 """The import graph follows README's "Architecture" layers: a module imports only its own layer
-and the ones below it (1 is the bottom), and every library module is assigned a layer.
+and the ones below it (1 is the bottom; the command line, moe_jax/cli and __main__, is the top,
+so the library never imports it), and every library module is assigned a layer. The command
+line holds only what its commands import; the tools of benchmarks/ import the package, never the
+reverse; both use its public names only.
 
 Read from the source files with `ast` (nothing is imported), so the rule holds for every module,
 imports inside functions included. Backends are found by fronts through module names in their
@@ -35,13 +38,22 @@ LAYERS = {
         FOUNDATIONS,
     ),
     **dict.fromkeys(
-        ("grouped_gemm", "grouped_gemm_backward", "permute", "act_quant", "fp8_training"), FRONTS
+        (
+            "grouped_gemm",
+            "grouped_gemm_backward",
+            "fused_gemm1",
+            "permute",
+            "act_quant",
+            "fp8_training",
+        ),
+        FRONTS,
     ),
     **dict.fromkeys(
         ("kernels.*", "interop.bridge", "interop.deep_gemm", "interop.torch_gemm"), BACKENDS
     ),
     **dict.fromkeys(
         (
+            "plan",
             "prepare_finalize",
             "experts",
             "contiguous_experts",
@@ -120,14 +132,34 @@ def test_every_library_module_has_a_layer():
 LAYERED = sorted(m for m in MODULES if m not in PACKAGES)
 
 
+# The one upward import: an op front's registry asks `moe_jax.plan` for its "auto" order (the
+# one place "auto" is decided), from inside its preference function, when a call selects.
+PLAN_ORDER = "moe_jax.plan"
+
+
+def _lines_in_functions(tree: ast.AST) -> set[int]:
+    """Line numbers of the import statements inside function bodies."""
+    return {
+        node.lineno
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(fn)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+
+
 def violations(module: str, source: str) -> list[str]:
     """The imports of `module` (given its source) that reach a higher layer or a package."""
     own = layer_of(module)
+    tree = ast.parse(source)
+    in_functions = _lines_in_functions(tree)
     bad = []
-    for line, target in _imports(ast.parse(source)):
+    for line, target in _imports(tree):
         if target in PACKAGES:
             if own != TOOLS:  # tools may use the public package; the library imports submodules
                 bad.append(f"line {line}: names re-exported by {target}")
+        elif target == PLAN_ORDER and own == FRONTS and line in in_functions:
+            continue
         elif (layer_of(target) or 0) > own:
             bad.append(f"line {line}: {target} (layer {layer_of(target)})")
     return bad
@@ -146,11 +178,14 @@ def test_the_check_sees_violations():
         "from moe_jax import ContiguousExperts\n"
         "def f():\n"
         "    import moe_jax.kernels.permute\n"
+        "    from moe_jax.plan import gemm_order\n"
+        "from moe_jax.plan import plan\n"
     )
     assert violations("moe_jax.permute", source) == [
         "line 1: moe_jax.experts (layer 4)",
         "line 2: moe_jax.fused_moe (layer 4)",
         "line 3: names re-exported by moe_jax",
+        "line 7: moe_jax.plan (layer 4)",  # the plan's order only from inside a function
         "line 5: moe_jax.kernels.permute (layer 3)",
     ]
     assert violations("moe_jax.cli.demo", source) == []
@@ -229,3 +264,61 @@ def test_tests_and_scripts_import_the_installed_package_only():
         )
     ]
     assert not loaded, f"loaded from the repository folders, not the package: {loaded}"
+
+
+def _private_uses(tree: ast.AST) -> list[str]:
+    """Private names of moe_jax the module reaches: imported, or as attributes of an import."""
+    bound = set()  # local names bound to moe_jax modules or objects
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("moe_jax"):
+                    bound.add(alias.asname or alias.name.split(".")[0])
+                    if any(part.startswith("_") for part in alias.name.split(".")):
+                        found.append(alias.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe_jax"):
+            parts = node.module.split(".")
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(p.startswith("_") for p in [*parts, alias.name]):
+                    found.append(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+PUBLIC_USERS = sorted(
+    [
+        *(p for m, p in MODULES.items() if m == "moe_jax.__main__" or m.startswith("moe_jax.cli")),
+        *(ROOT / "benchmarks").glob("*.py"),
+    ]
+)
+
+
+@pytest.mark.parametrize("path", PUBLIC_USERS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_cli_and_the_benchmarks_use_public_names_only(path):
+    assert not _private_uses(ast.parse(path.read_text())), f"{path.relative_to(ROOT)}"
+
+
+def test_private_use_detection():
+    source = (
+        "from moe_jax.experts import _activate\n"
+        "from moe_jax.interop import deep_gemm\n"
+        "deep_gemm._resolve('x')\n"
+        "import moe_jax.kernels._triton\n"
+        "import torch\n"
+        "torch._grouped_mm\n"
+    )
+    assert _private_uses(ast.parse(source)) == [
+        "moe_jax.experts._activate",
+        "moe_jax.kernels._triton",
+        "deep_gemm._resolve",
+    ]
