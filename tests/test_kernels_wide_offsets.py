@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from moe_jax import quant
 from moe_jax.kernels import _triton, _wide_offsets
@@ -45,7 +46,8 @@ def _offset_types(shape, dtype, capsys, *, store: bool = False) -> list[str]:
             _store_probe if store else _load_probe,
             grid=(2,),
             out_shape=big if store else TILE,
-            compiler_params=_triton.compiler_params(num_warps=4, num_stages=1),
+            # JAX's own parameters: `_triton.compiler_params` would install the patch again
+            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
             debug=True,
         )(operand)
 
