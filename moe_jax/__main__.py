@@ -51,9 +51,22 @@ def _parser() -> argparse.ArgumentParser:
         help="time a training step (forward + backward) against torchtitan's torch step instead",
     )
     bench.add_argument("--json", help="also write the results to this JSON file")
-    bench.add_argument("--plot", help="also write a PNG bar chart of the times")
-    commands.add_parser(
-        "info", help="versions, devices, and which GEMM backends run here (or why not)"
+    bench.add_argument(
+        "--plot", help="also write a PNG bar chart of the times (needs matplotlib: .[notebooks])"
+    )
+    info = commands.add_parser(
+        "info",
+        help="versions, devices, and which GEMM backends run here (or why not); with --plan, "
+        "what one experts call runs and why",
+    )
+    info.add_argument("--plan", action="store_true", help="print the plan of one experts call")
+    for flag, size in (("tokens", "T"), ("hidden", "H"), ("intermediate", "I")):
+        info.add_argument(f"--{flag}", type=int, help=f"{size} for --plan")
+    info.add_argument("--experts", type=int, help="E for --plan")
+    info.add_argument("--topk", type=int, help="k for --plan")
+    info.add_argument("--fp8", action="store_true", help="FP8 block weights (default: bf16)")
+    info.add_argument(
+        "--platform", choices=("cpu", "gpu"), help="plan for this platform (default: this one's)"
     )
     return parser
 
@@ -126,10 +139,9 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "info":
-        from moe_jax.cli.info import report
+        from moe_jax.cli.info import run_info
 
-        print(report())
-        return 0
+        return run_info(args)
     if args.command == "bench":
         return _bench(args)
     if args.tokens < 1:

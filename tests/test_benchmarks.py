@@ -425,8 +425,9 @@ def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
     """Each varied shape differs from B where named, and "auto" on a GPU would fuse its GEMM1
     (the comparison's point: where the gathered form or the contiguous one is "auto"'s), in
     its gathered form up to `GATHERED_MAX_N` columns."""
-    from moe_jax.experts import GATHERED_MAX_N, fused_act_quant_preference
+    from moe_jax.fused_gemm1 import FusedGemm1Problem
     from moe_jax.grouped_gemm import GemmProblem
+    from moe_jax.plan import THRESHOLDS, fused_gemm1_order
 
     shape, base = gather_bench.SHAPES[name], gather_bench.SHAPES["B"]
     changed = {
@@ -446,9 +447,12 @@ def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
         platform="gpu",
         alignment=gather_bench.ALIGNMENT,
     )
-    preference = fused_act_quant_preference(problem, "silu")
+    preference, _ = fused_gemm1_order(
+        FusedGemm1Problem(gemm=problem, activation="silu", group_size=128)
+    )
     assert preference[-1] == "mosaic_fp8"  # "auto" fuses GEMM1 here
-    assert (preference[0] == "mosaic_fp8_gathered") == (problem.n <= GATHERED_MAX_N)
+    is_gathered = problem.n <= THRESHOLDS.GATHERED_MAX_N
+    assert (preference[0] == "mosaic_fp8_gathered") == is_gathered
 
 
 def test_gather_bench_compares_valid_rows_only():

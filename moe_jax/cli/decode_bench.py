@@ -142,7 +142,7 @@ def layer_fn(experts: str):
 def _auto_gemm(weights: ExpertWeights, num_tokens: int, topk: int) -> str:
     """The GEMM backend `experts="auto"` picks for GEMM1 (and its alignment)."""
     try:
-        pair = ContiguousExperts().select_gemms(
+        pair = ContiguousExperts().plan_for(
             weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE
         )
     except NotImplementedError as error:

@@ -298,7 +298,7 @@ def _graph_experts(
     weights = ExpertWeights(w1=layer.w1q, w2=layer.w2q, w1_scale=layer.w1s, w2_scale=layer.w2s)
     num_tokens, topk = layer.topk_ids.shape
     try:
-        experts.select_gemms(weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE)
+        experts.plan_for(weights, num_tokens=num_tokens, topk=topk, x_dtype=quant.FP8_DTYPE)
     except NotImplementedError as refusal:  # NoImplementationError: every reason in its text
         return str(refusal)
     warm_up = jax.jit(
