@@ -106,7 +106,7 @@ def stage_times(layer: Layer, *, iters: int, experts="auto") -> list[dict]:
         (lay.rows, weights.w1),
         (lay,),
     )
-    a = timed("act*up", lambda h, lay: chosen.activate(h, call, lay)[0], (h,), (lay,))
+    a = timed("act*up", lambda h, lay: chosen.activate(h, call, lay, plan=gemms)[0], (h,), (lay,))
     y = timed(
         f"GEMM2 ({gemms.gemm2.name})",
         lambda a, w2, lay: chosen.second_gemm(
