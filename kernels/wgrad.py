@@ -4,7 +4,8 @@ dw[e] = dy_e^T x_e over expert e's rows of the contiguous layout, [E, N, K], acc
 float32 and written straight into the output XLA allocated (the torch wgrad returns a new tensor
 that the bridge must copy). The segment of expert e is rows [ends[e-1], ends[e]) (ends[-1] = 0),
 a multiple of the layout's alignment, so it splits into whole `block_m`-row steps; padding rows
-inside a segment are zero, as `grouped_wgrad` guarantees. One program owns one [block_n, block_k] tile of one expert's dw:
+inside a segment are zero, as `grouped_wgrad` guarantees. One program owns one
+[block_n, block_k] tile of one expert's dw:
 
     grid = (K / block_k, N / block_n, E)        fastest first: programs of one expert and one
                                                  dy column tile run together and share it in L2

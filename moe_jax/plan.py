@@ -256,45 +256,28 @@ def segment_alignment(gemm: grouped_gemm.GroupedGemm, problem: grouped_gemm.Gemm
 
 
 def gemm_problems(
+    problem: ExpertsProblem,
     *,
-    hidden: int,
-    intermediate: int,
-    num_experts: int,
-    num_pairs: int,
-    x_dtype: str,
-    w_dtype: str,
-    platform: str,
+    alignment: int | None,
+    dtype: str | None = None,
     layout: str = "contiguous",
-    alignment: int | None = None,
     max_m: int | None = None,
 ) -> tuple[grouped_gemm.GemmProblem, grouped_gemm.GemmProblem]:
-    """GEMM1's ([rows, H] x w1 [E, 2I, H]) and GEMM2's ([rows, I] x w2 [E, H, I]) problems."""
+    """GEMM1's ([rows, H] x w1 [E, 2I, H]) and GEMM2's ([rows, I] x w2 [E, H, I]) problems
+    (operands of `dtype`, default the problem's)."""
     common = dict(
         layout=layout,
-        num_experts=num_experts,
-        num_pairs=num_pairs,
-        x_dtype=x_dtype,
-        w_dtype=w_dtype,
-        platform=platform,
-        alignment=alignment,
-        max_m=max_m,
-    )
-    return (
-        grouped_gemm.GemmProblem(n=2 * intermediate, k=hidden, **common),
-        grouped_gemm.GemmProblem(n=hidden, k=intermediate, **common),
-    )
-
-
-def _problems(problem: ExpertsProblem, alignment: int | None, dtype: str | None = None):
-    return gemm_problems(
-        hidden=problem.hidden,
-        intermediate=problem.intermediate,
         num_experts=problem.num_experts,
         num_pairs=problem.num_tokens * problem.topk,
         x_dtype=dtype or problem.x_dtype,
         w_dtype=dtype or problem.weight_dtype,
         platform=problem.platform,
         alignment=alignment,
+        max_m=max_m,
+    )
+    return (
+        grouped_gemm.GemmProblem(n=2 * problem.intermediate, k=problem.hidden, **common),
+        grouped_gemm.GemmProblem(n=problem.hidden, k=problem.intermediate, **common),
     )
 
 
@@ -303,18 +286,21 @@ def masked_gemms(
 ) -> tuple[grouped_gemm.GroupedGemm, grouped_gemm.GroupedGemm]:
     """GEMM1's and GEMM2's backends on the masked layout (`MaskedExperts`, `masked_mlp`) for
     `ExpertWeights` `weights`, rows of `x_dtype` and at most `num_pairs` routed pairs."""
-    problems = gemm_problems(
+    problem = ExpertsProblem(
+        num_tokens=num_pairs,
+        topk=1,
+        num_experts=weights.num_experts,
         hidden=weights.w1.shape[2],
         intermediate=weights.w2.shape[2],
-        num_experts=weights.num_experts,
-        num_pairs=num_pairs,
         x_dtype=jnp.dtype(x_dtype).name,
+        mid_dtype="",
+        group_size=None,
+        weight_bytes=0,
         w_dtype=jnp.dtype(weights.w1.dtype).name,
         platform=current_platform(),
-        layout="masked",
-        max_m=max_m,
     )
-    gemm1, gemm2 = (_choose(grouped_gemm.GEMMS, gemm, p, argument="gemm")[0] for p in problems)
+    problems = gemm_problems(problem, alignment=None, layout="masked", max_m=max_m)
+    gemm1, gemm2 = (_choose(GEMMS, gemm, p, argument="gemm")[0] for p in problems)
     return gemm1, gemm2
 
 
@@ -367,14 +353,14 @@ def plan(
         )
         gemm_dtype = FP8
     auto = gemm == AUTO
-    p1, _ = _problems(problem, alignment, gemm_dtype)
+    p1, _ = gemm_problems(problem, alignment=alignment, dtype=gemm_dtype)
     gemm1 = note("gemm1", _choose(GEMMS, gemm, p1, argument="gemm", why=auto and gemm_order(p1)[1]))
     if alignment is None:
         alignment = segment_alignment(gemm1, p1)
         reasons["alignment"] = f"{gemm1.name}'s segment multiple for this problem"
     else:
         reasons["alignment"] = f"alignment={alignment} as given"
-    p1, p2 = _problems(problem, alignment, gemm_dtype)
+    p1, p2 = gemm_problems(problem, alignment=alignment, dtype=gemm_dtype)
     gemm2 = note("gemm2", _choose(GEMMS, gemm, p2, argument="gemm", why=auto and gemm_order(p2)[1]))
     fused_problem = FusedGemm1Problem(
         gemm=p1, activation=problem.activation, group_size=problem.group_size
