@@ -84,16 +84,7 @@ def fused_moe(
       >>> [round(v, 4) for v in out[:, 0].tolist()]  # token 1 went to a missing expert
       [1.4621, 0.0]
     """
-    require_static(
-        "fused_moe",
-        _STATIC_ARGNAMES,
-        activation=activation,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        global_num_experts=global_num_experts,
-        chunk_size=chunk_size,
-        experts=experts,
-        block_shape=block_shape,
-    )
+    require_static("fused_moe", _STATIC_ARGNAMES, locals())
     if block_shape is not None:
         _check_block_shape(block_shape, w1, w1_scale)
     layer = ModularMoE(NoEPPrepareFinalize(), resolve_experts(experts), chunk_size=chunk_size)

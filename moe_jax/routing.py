@@ -21,18 +21,15 @@ _FUSED_TOPK_STATIC = ("topk", "renormalize", "scoring_func")
 _GROUPED_TOPK_STATIC = ("topk", "renormalize", "num_expert_group", "topk_group", "scoring_func")
 
 
-def require_static(fn: str, static_argnames: tuple[str, ...], **values) -> None:
-    """Raises a TypeError naming the arguments of `values` that arrived as tracers.
-
-    `jax.jit(fn)` traces every argument it is given, Python ints and bools included, unless it is
-    marked static; `fn`'s `static_argnames` set shapes or choose code, so they cannot be traced.
-    A sequence (such as `block_shape`) counts as traced when an element is.
-    """
+def require_static(fn: str, static_argnames: tuple[str, ...], arguments: dict) -> None:
+    """Raises a TypeError naming the `static_argnames` of `arguments` (fn's `locals()`) that
+    arrived as tracers: `jax.jit(fn)` traces every argument it is given, Python ints and bools
+    too, unless it is marked static, and these set shapes or choose code. A sequence (such as
+    `block_shape`) is traced when an element is."""
     traced = [
         name
-        for name, value in values.items()
-        if isinstance(value, jax.core.Tracer)
-        or (isinstance(value, (list, tuple)) and any(isinstance(v, jax.core.Tracer) for v in value))
+        for name in static_argnames
+        if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(arguments[name]))
     ]
     if traced:
         raise TypeError(
@@ -110,13 +107,7 @@ def fused_topk(
       >>> ids.tolist(), [round(v, 3) for v in w[0].tolist()]
       ([[1, 3]], [0.5, 0.5])
     """
-    require_static(
-        "fused_topk",
-        _FUSED_TOPK_STATIC,
-        topk=topk,
-        renormalize=renormalize,
-        scoring_func=scoring_func,
-    )
+    require_static("fused_topk", _FUSED_TOPK_STATIC, locals())
     _check_logits(gating_output, topk)
     scores = _scores(gating_output.astype(jnp.float32), scoring_func)
     weights, ids = jax.lax.top_k(scores, topk)
@@ -165,15 +156,7 @@ def grouped_topk(
       >>> ids.tolist()
       [[1, 0]]
     """
-    require_static(
-        "grouped_topk",
-        _GROUPED_TOPK_STATIC,
-        topk=topk,
-        renormalize=renormalize,
-        num_expert_group=num_expert_group,
-        topk_group=topk_group,
-        scoring_func=scoring_func,
-    )
+    require_static("grouped_topk", _GROUPED_TOPK_STATIC, locals())
     _check_logits(gating_output, topk)
     require_int("num_expert_group", num_expert_group)
     require_int("topk_group", topk_group)

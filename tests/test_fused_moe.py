@@ -698,7 +698,12 @@ def _positional(args: dict) -> list:
 
 @pytest.mark.parametrize(
     "name,value",
-    [("chunk_size", 2), ("global_num_experts", 4), ("apply_router_weight_on_input", 0)],
+    [
+        ("chunk_size", 2),
+        ("global_num_experts", 4),
+        ("apply_router_weight_on_input", 0),
+        ("block_shape", [128, 128]),  # a list is a pytree: its ints are traced
+    ],
 )
 def test_a_traced_static_argument_is_refused_naming_it_and_the_static_argnames(name, value):
     """jax.jit traces Python ints and bools too: the error says which argument and how to mark
