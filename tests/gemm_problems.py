@@ -48,3 +48,40 @@ DEEPSEEK_V3_FP8_GEMM1 = GemmProblem(
     w_dtype="float8_e4m3fn",
     platform="gpu",
 )
+
+
+# The contract every grouped-GEMM backend meets (tests/test_contract_grouped_gemm.py): padding
+# and out-of-range ids, one expert, empty experts, one token, no tokens, each operand dtype.
+CONTRACT_PROBLEMS = [
+    RoutedProblem("fp8_padding_and_invalid_ids", 9, 2, 4, 256, 256),
+    RoutedProblem("fp8_single_expert", 5, 1, 1, 128, 384, alignment=32),
+    RoutedProblem(
+        "fp8_empty_experts_align64", 11, 3, 8, 128, 256, alignment=64, only_experts=(1, 6)
+    ),
+    RoutedProblem("bf16_empty_experts", 7, 3, 8, 48, 96, dtype="bfloat16", only_experts=(0, 5, 7)),
+    RoutedProblem("bf16_one_token", 1, 1, 3, 64, 32, dtype="bfloat16"),
+    RoutedProblem("bf16_no_tokens", 0, 2, 3, 64, 32, dtype="bfloat16"),
+    RoutedProblem("f32_duplicate_ids", 6, 3, 4, 32, 64, dtype="float32", only_experts=(1, 2)),
+]
+
+
+def routed_operands(problem: RoutedProblem, rng):
+    """(x, w, x_scales, w_scales, ids) in numpy for `problem`: FP8 by vLLM's recipe (scales
+    float32), else the problem's dtype (scales None); ids int32[T, topk] drawn from
+    `only_experts`, else from [-1, E] (invalid ids on both sides)."""
+    import numpy as np
+    import oracles
+
+    shape = (problem.num_tokens, problem.topk)
+    if problem.only_experts is not None:
+        ids = rng.choice(np.array(problem.only_experts), size=shape)
+    else:
+        ids = rng.integers(-1, problem.num_experts + 1, size=shape)
+    x = rng.standard_normal((problem.num_tokens, problem.k)).astype(np.float32)
+    w = (rng.standard_normal((problem.num_experts, problem.n, problem.k)) / 8).astype(np.float32)
+    if problem.dtype == "fp8":
+        x, x_scales = oracles.per_token_group_quant_fp8(x)
+        w, w_scales = oracles.per_block_quant_fp8(w)
+        return x, w, x_scales, w_scales, ids.astype(np.int32)
+    dtype = oracles.BF16 if problem.dtype == "bfloat16" else np.float32
+    return x.astype(dtype), w.astype(dtype), None, None, ids.astype(np.int32)

@@ -1,5 +1,7 @@
-"""Pallas grouped GEMM (`moe_jax.kernels.grouped_gemm`) vs a float64 loop, its backend registration,
-the segments it asks for, and `fused_moe(experts="pallas_interpret")` against the XLA path.
+"""Pallas grouped GEMM (`moe_jax.kernels.grouped_gemm`): its tile configs and packed-weight path
+against a float64 loop, its backend's refusals and segments, and
+`fused_moe(experts="pallas_interpret")` against the XLA path. The contract every GEMM backend
+meets (layouts, dtypes, empty experts, T=0/1, VJP) is tests/test_contract_grouped_gemm.py's.
 
 Tolerances: with FP8 tiles upcast to bf16 (exact) or bf16 operands, each 128-wide K block is summed
 in float32, so with float32 output the kernel matches the float64 oracle to float32 summation
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
-from gemm_problems import DEEPSEEK_V3_FP8_GEMM1, RoutedProblem
+from gemm_problems import DEEPSEEK_V3_FP8_GEMM1, RoutedProblem, routed_operands
 
 import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas")
 import moe_jax.quant
@@ -46,31 +48,7 @@ TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(rtol=1e-2, at
 FP8_DOT_TOL = dict(rtol=2e-3, atol=2e-3)
 
 
-CI_PROBLEMS = [
-    RoutedProblem("fp8_padding_and_invalid_ids", 9, 2, 4, 256, 256),
-    RoutedProblem("fp8_single_expert", 5, 1, 1, 128, 384, alignment=32),
-    RoutedProblem(
-        "fp8_empty_experts_align64", 11, 3, 8, 128, 256, alignment=64, only_experts=(1, 6)
-    ),
-    RoutedProblem("bf16_empty_experts", 7, 3, 8, 48, 96, dtype="bfloat16", only_experts=(0, 5, 7)),
-    RoutedProblem("bf16_one_token", 1, 1, 3, 64, 32, dtype="bfloat16"),
-]
-
-
-def _operands(problem: RoutedProblem, rng: np.random.Generator):
-    """(x, w, x_scales, w_scales, ids) in numpy: FP8 by vLLM's recipe or bf16."""
-    shape = (problem.num_tokens, problem.topk)
-    if problem.only_experts is not None:
-        ids = rng.choice(np.array(problem.only_experts), size=shape)
-    else:
-        ids = rng.integers(-1, problem.num_experts + 1, size=shape)  # invalid ids both sides
-    x = rng.standard_normal((problem.num_tokens, problem.k)).astype(np.float32)
-    w = (rng.standard_normal((problem.num_experts, problem.n, problem.k)) / 8).astype(np.float32)
-    if problem.dtype == "fp8":
-        x, x_scales = oracles.per_token_group_quant_fp8(x)
-        w, w_scales = oracles.per_block_quant_fp8(w)
-        return x, w, x_scales, w_scales, ids.astype(np.int32)
-    return x.astype(oracles.BF16), w.astype(oracles.BF16), None, None, ids.astype(np.int32)
+_operands = routed_operands
 
 
 def _dequant(problem, x, w, x_scales, w_scales):
@@ -115,21 +93,6 @@ def _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol):
     assert checked == int(np.sum(lay["expert_ids"] >= 0))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("out_dtype", list(TOL))
-@pytest.mark.parametrize("problem", CI_PROBLEMS, ids=str)
-def test_grouped_gemm_matches_float64_loop(impl, out_dtype, problem):
-    rng = np.random.default_rng(12)
-    x, w, x_scales, w_scales, ids = _operands(problem, rng)
-    lay = oracles.permute(
-        x, ids, problem.num_experts, alignment=problem.alignment, x_scales=x_scales
-    )
-    y = _run(impl, lay, w, w_scales, alignment=problem.alignment, out_dtype=out_dtype)
-    assert y.shape == (lay["rows"].shape[0], problem.n) and y.dtype == out_dtype
-    tol = FP8_DOT_TOL if problem.dtype == "fp8" and out_dtype == jnp.float32 else TOL[out_dtype]
-    _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
-
-
 CONFIGS = [
     gg.GroupedGemmConfig(block_m=16, block_n=16, block_k=32, num_stages=1),
     gg.GroupedGemmConfig(block_m=32, block_n=128, is_transposed=True),
@@ -154,33 +117,6 @@ def test_grouped_gemm_configs(impl, config):
     _check_against_loop(y, problem, x, w, x_scales, w_scales, ids, lay, tol)
 
 
-def test_heuristic_follows_the_h200_sweep():
-    """DeepSeek-V3 GEMM1 layouts of T=1, 8, 32, 512, 1024 (alignment 16) and T=2048 (64):
-    BENCHMARKS.md's sweeps."""
-    shape = dict(num_experts=256, n=4096, k=7168, alignment=16)
-    single = gg.heuristic_config(num_rows=128, is_fp8=True, **shape)  # T=1: rows first
-    assert (single.block_n, single.num_stages, single.is_transposed) == (64, 6, False)
-    assert not single.is_column_major
-    # Short segments launched columns first (T=8, T=32) take the wide transposed tile.
-    short = gg.heuristic_config(num_rows=1024, is_fp8=True, **shape)
-    short_32 = gg.heuristic_config(num_rows=4096, is_fp8=True, **shape)
-    mid = gg.heuristic_config(num_rows=7936, is_fp8=True, **shape)
-    long = gg.heuristic_config(num_rows=12032, is_fp8=True, **shape)
-    for config in (short, short_32, mid):
-        assert (config.block_n, config.num_stages, config.is_transposed) == (128, 5, True)
-    assert (long.block_n, long.num_stages, long.is_transposed) == (128, 3, True)
-    assert all(c.block_m == 16 and c.is_column_major for c in (short, short_32, mid, long))
-    # T=2048 on 64-row segments: the x rows fill wgmma's 64 rows, the tile runs untransposed.
-    wide = gg.heuristic_config(num_rows=32512, is_fp8=True, **{**shape, "alignment": 64})
-    assert (wide.block_m, wide.block_n, wide.num_stages, wide.is_transposed) == (64, 128, 4, False)
-    assert all(c.is_fp8_wgmma for c in (short, mid, long, wide))
-    bf16 = gg.heuristic_config(num_rows=7936, is_fp8=False, **shape)
-    assert (bf16.num_stages, bf16.is_column_major, bf16.is_fp8_dot) == (3, False, False)
-    assert not bf16.is_fp8_wgmma
-    bf16_wide = gg.heuristic_config(num_rows=32512, is_fp8=False, **{**shape, "alignment": 64})
-    assert (bf16_wide.num_stages, bf16_wide.is_transposed) == (3, True)
-
-
 def test_rows_not_a_multiple_of_block_m_are_padded():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((20, 64)), jnp.bfloat16)
@@ -189,32 +125,6 @@ def test_rows_not_a_multiple_of_block_m_are_padded():
     y = gg.grouped_gemm_contiguous(x, w, ids, alignment=16, out_dtype=jnp.float32, interpret=True)
     want = gg.grouped_gemm_contiguous_reference(x, w, ids, alignment=16, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize(
-    "impl", ["pallas_interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
-)
-def test_masked_layout_matches_float64_loop(impl):
-    rng = np.random.default_rng(6)
-    num_experts, max_m, n, k = 3, 5, 128, 256
-    counts = np.array([5, 0, 2])
-    x = rng.standard_normal((num_experts, max_m, k)).astype(np.float32)
-    w = (rng.standard_normal((num_experts, n, k)) / 8).astype(np.float32)
-    xq, xs = oracles.per_token_group_quant_fp8(x)
-    wq, ws = oracles.per_block_quant_fp8(w)
-    y = grouped_gemm.GEMMS.get(impl).masked(
-        jnp.asarray(xq),
-        jnp.asarray(wq),
-        jnp.asarray(counts, jnp.int32),
-        x_scales=jnp.asarray(xs),
-        w_scales=jnp.asarray(ws),
-        out_dtype=jnp.float32,
-    )
-    assert y.shape == (num_experts, max_m, n)
-    x64, w64 = oracles.dequant_per_token_group(xq, xs), oracles.dequant_per_block(wq, ws)
-    for e in range(num_experts):
-        for r in range(counts[e]):
-            np.testing.assert_allclose(np.asarray(y[e, r]), w64[e] @ x64[e, r], **FP8_DOT_TOL)
 
 
 def _problem(**changes) -> GemmProblem:
@@ -256,24 +166,6 @@ def test_contiguous_experts_take_the_pallas_alignment():
     assert pair.alignment == gg.PallasGemm.alignment == 16
     rows = layouts.contiguous_num_rows(3, 2, 4, pair.alignment)
     assert rows == 80  # round_up(6 pairs + 4 segments * 15 padding rows, 16)
-
-
-@pytest.mark.parametrize(
-    ("num_pairs", "alignment"),
-    [(0, 16), (1, 16), (2048, 16), (2049, 32), (4096, 32), (4097, 64), (10**7, 64)],
-)
-def test_pallas_layout_alignment_grows_with_pairs_per_expert(num_pairs, alignment):
-    """16 rows up to 8 mean pairs per expert, 32 up to 16, 64 above; a caller's own wins."""
-    pallas = grouped_gemm.GEMMS.get("pallas")
-    assert segment_alignment(pallas, _problem(num_pairs=num_pairs)) == alignment
-    weights = ExpertWeights(
-        w1=jnp.zeros((256, 64, 32), jnp.bfloat16), w2=jnp.zeros((256, 32, 32), jnp.bfloat16)
-    )
-    for align, want in ((None, alignment), (48, 48)):
-        pair = ContiguousExperts(gemm="pallas_interpret", alignment=align).plan_for(
-            weights, num_tokens=num_pairs, topk=1, x_dtype=jnp.bfloat16
-        )
-        assert pair.alignment == want
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
