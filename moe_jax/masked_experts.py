@@ -5,8 +5,8 @@ expert gets a block of max_m rows, of which the first `num_rows_per_expert[e]` a
 `masked_mlp` runs the expert MLP on such blocks; `MaskedExperts` runs it on masked-format tokens
 (DeepEP low latency, `MaskedPrepareFinalize`) and, given token rows, builds the blocks itself,
 bounded by `masked_bound_rows` (refusals raise `MaskedCapacityError`). The shared pieces
-(`ExpertWeights`, `ExpertsCall`, `ExpertsProblem`, `select_gemms`, `activate`) are in
-`moe_jax.experts`.
+(`ExpertWeights`, `ExpertsCall`, `ExpertsProblem`, `activate`) are in `moe_jax.experts`; the
+GEMM pair comes from `moe_jax.plan.masked_gemms`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from moe_jax.experts import (
     ExpertWeights,
     activate,
     intermediate_dtype,
-    select_gemms,
 )
 from moe_jax.grouped_gemm_backward import grouped_gemm_masked
+from moe_jax.plan import masked_gemms
 from moe_jax.prepare_finalize import ActivationFormat, MaskedPrepareFinalize, MaskedTokens
 from moe_jax.registry import NoImplementationError
 
@@ -65,13 +65,13 @@ def masked_mlp(
       unspecified.
     """
     num_experts, max_m = rows.shape[:2]
-    gemms = select_gemms(
-        gemm, weights, layout="masked", num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m
+    gemm1, gemm2 = masked_gemms(
+        gemm, weights, num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m
     )
     mid_dtype = intermediate_dtype(rows.dtype, call)
     expected_m = max_m if expected_m is None else expected_m
     h = grouped_gemm_masked(
-        gemms.gemm1,
+        gemm1,
         rows,
         weights.w1,
         num_rows_per_expert,
@@ -84,7 +84,7 @@ def masked_mlp(
     if a_scales is not None:
         a_scales = a_scales.reshape(num_experts, max_m, -1)
     return grouped_gemm_masked(
-        gemms.gemm2,
+        gemm2,
         a.reshape(num_experts, max_m, -1),
         weights.w2,
         num_rows_per_expert,

@@ -741,7 +741,7 @@ asked directly for this model's step:
 """),
     code("""
 model = runs["sigmoid top-k"][0]
-pair = ContiguousExperts().select_gemms(ExpertWeights(w1=model.moe.w1[...], w2=model.moe.w2[...]),
+pair = ContiguousExperts().plan_for(ExpertWeights(w1=model.moe.w1[...], w2=model.moe.w2[...]),
                                         num_tokens=B * S, topk=K, x_dtype=jnp.float32)
 rows = B * S * K
 wgrad = WGRADS.select("auto", wgrad_problem(jax.ShapeDtypeStruct((rows, 2 * I), jnp.float32),
