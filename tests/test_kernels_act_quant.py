@@ -23,19 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from contract import impl_params, runs_or_skip
 
 from moe_jax import act_quant as act_quant_front
 from moe_jax import quant
 from moe_jax.act_quant import COMPILED_ACTIVATIONS, act_and_quant_reference, group_quant_reference
 from moe_jax.kernels.act_quant import ActQuantConfig, act_and_quant, group_quant
+from moe_jax.registry import OpProblem, current_platform
 
 pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
 
-IMPLS = [
-    pytest.param("reference"),
-    pytest.param("pallas_interpret"),
-    pytest.param("pallas", marks=pytest.mark.gpu),
-]
+# Every name of the op (act + quant and the token quantization list the same), interpret twins
+# too; the config tests run the Pallas kernel itself.
+IMPLS = impl_params(act_quant_front.ACT_QUANTS)
+KERNELS = [pytest.param("pallas_interpret"), pytest.param("pallas", marks=pytest.mark.gpu)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +67,17 @@ def _inputs(problem: Problem, *, scale: float, salt: int) -> jax.Array:
 
 
 def _run_act(impl, h, activation, *, config=None, **kwargs):
-    """The reference, the front's `impl`, or with a config the kernel itself."""
-    if impl == "pallas" and activation not in COMPILED_ACTIVATIONS:
+    """The front's `impl` (skipped with its reason where it cannot run here), or with a config
+    the kernel itself."""
+    platform = current_platform()
+    if impl == "pallas" and platform == "gpu" and activation not in COMPILED_ACTIVATIONS:
         with pytest.raises(NotImplementedError, match="Triton cannot lower erf"):
             act_quant_front.act_and_quant(h, activation=activation, impl=impl)
         pytest.skip(f"{activation} has no compiled kernel (checked that it says so)")
-    if impl == "reference":
-        return jax.jit(act_and_quant_reference, static_argnames="activation")(
-            h, activation=activation
-        )
     if config is None:
+        dtype = jnp.dtype(h.dtype).name
+        problem = OpProblem(platform=platform, dtype=dtype, activation=activation)
+        runs_or_skip(act_quant_front.ACT_QUANTS.get(impl), problem)
         return act_quant_front.act_and_quant(h, activation=activation, impl=impl, **kwargs)
     interpret = impl == "pallas_interpret"
     return act_and_quant(h, activation=activation, config=config, interpret=interpret, **kwargs)
@@ -83,9 +85,9 @@ def _run_act(impl, h, activation, *, config=None, **kwargs):
 
 def _run_group(impl, x, *, config=None):
     """As `_run_act`, for the token quantization."""
-    if impl == "reference":
-        return jax.jit(group_quant_reference)(x)
     if config is None:
+        problem = OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
+        runs_or_skip(act_quant_front.GROUP_QUANTS.get(impl), problem)
         return act_quant_front.group_quant(x, impl=impl)
     return group_quant(x, config=config, interpret=impl == "pallas_interpret")
 
@@ -250,7 +252,7 @@ TILE_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS[1:])
+@pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("is_scales_group_major", [False, True], ids=["scales_rows", "scales_gm"])
 @pytest.mark.parametrize(
     "config",
@@ -276,7 +278,7 @@ def test_every_tiling_quantizes_the_same_bits(impl, is_scales_group_major, confi
         )
 
 
-@pytest.mark.parametrize("impl", IMPLS[1:])
+@pytest.mark.parametrize("impl", KERNELS)
 def test_padding_blocks_are_skipped_and_used_rows_unchanged(impl):
     """With the layout's expert ids, 16-row programs whose rows are all padding (-1) write
     nothing; a program with any used row computes all of its rows. Used rows equal the

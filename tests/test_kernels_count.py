@@ -11,15 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from contract import impl_params, runs_or_skip
 
-from moe_jax import layouts
 from moe_jax import permute as permute_front
 
-IMPLS = [
-    pytest.param("reference"),
-    pytest.param("pallas_interpret"),
-    pytest.param("pallas", marks=pytest.mark.gpu),
-]
+IMPLS = impl_params(permute_front.COUNTS)  # every name, interpret twins too
 # (name, T, k, E_local, E_global or None)
 CI_PROBLEMS = [
     ("dups_and_out_of_range", 7, 3, 5, None),
@@ -33,8 +29,7 @@ CI_PROBLEMS = [
 
 
 def _run(impl, ids, num_local, expert_map):
-    if impl == "reference":
-        return layouts.count_expert_num_tokens(ids, num_local, expert_map)
+    runs_or_skip(permute_front.COUNTS.get(impl), permute_front.problem_for(ids))
     return permute_front.count_expert_num_tokens(ids, num_local, expert_map, impl=impl)
 
 

@@ -19,17 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from contract import impl_params, runs_or_skip
 
 from moe_jax import expert_rank, layouts
 from moe_jax import permute as permute_front
 from moe_jax.kernels import routing_metadata as kernel
 from moe_jax.kernels.routing_metadata import RoutingMetadataConfig, heuristic_config
 
-IMPLS = [
-    pytest.param("reference"),
-    pytest.param("pallas_interpret"),
-    pytest.param("pallas", marks=pytest.mark.gpu),
-]
+IMPLS = impl_params(permute_front.ROUTING_METADATA)  # every name, interpret twins too
 FIELDS = ("inverse", "num_tokens_per_expert", "expert_ends", "source", "expert_ids")
 
 
@@ -103,14 +100,16 @@ def _local_ids(problem: Problem) -> np.ndarray:
 
 
 def _run(impl: str, local: jax.Array, problem: Problem) -> layouts.RoutingMetadata:
-    """The reference, the front's `impl`, or with a config the kernel itself (interpret mode for
-    "pallas_interpret")."""
+    """The reference, the front's `impl` (skipped with its reason where it cannot run here), or
+    with a config the kernel itself (interpret mode for "pallas_interpret")."""
     kwargs = dict(
         num_experts=problem.num_experts, alignment=problem.alignment, num_rows=problem.num_rows
     )
     if impl == "reference":
         return layouts.routing_metadata(local, **kwargs)
-    if problem.config is None:
+    registry = permute_front.ROUTING_METADATA
+    runs_or_skip(registry.get(impl), permute_front.problem_for(local))
+    if problem.config is None or impl == "xla":
         return permute_front.routing_metadata(local, **kwargs, impl=impl)
     return kernel.routing_metadata(
         local, **kwargs, config=problem.config, interpret=impl == "pallas_interpret"

@@ -14,16 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from contract import impl_params, runs_or_skip
 
 from moe_jax import layouts
 from moe_jax import permute as permute_front
 from moe_jax.kernels.unpermute import UnpermuteConfig
 
-IMPLS = [
-    pytest.param("reference"),
-    pytest.param("pallas_interpret"),
-    pytest.param("pallas", marks=pytest.mark.gpu),
-]
+IMPLS = impl_params(permute_front.UNPERMUTES)  # every name, interpret twins too
 # Against the float64 oracle: float32 sums of k products round at ~1e-7 relative per step;
 # a bf16 output rounds once at 2^-9 relative.
 TOL = {
@@ -76,10 +73,7 @@ def _oracle(y, inverse, weights) -> np.ndarray:
 
 
 def _run(impl, y, inverse, weights, **kwargs):
-    if impl == "reference":
-        return jax.jit(layouts.unpermute_reference, static_argnames="out_dtype")(
-            y, inverse, weights, **kwargs
-        )
+    runs_or_skip(permute_front.UNPERMUTES.get(impl), permute_front.problem_for(y))
     return permute_front.unpermute(y, inverse, weights, impl=impl, **kwargs)
 
 
