@@ -13,14 +13,11 @@ On the CPU the same path runs with torch CPU tensors (`ctx.stream` does not exis
 exercises the bridge end to end. Under `shard_map` the callback runs once per shard, with that
 shard's buffers and stream.
 
-Per-call host work is kept small: the callback's shape bookkeeping is done at trace time, DLPack
-capsules are made and consumed directly (`torch.from_dlpack` asks torch for its current stream on
-every CUDA call), one `torch.cuda.ExternalStream` is cached per XLA stream, and the current
-stream is switched with the two C entry points that `torch.cuda.stream` itself uses. The custom
-call is declared free of side effects, so a jitted function holding it keeps JAX's C++ dispatch:
-declared with one, the executable is effectful and every call runs pjit's Python path (60 us
-instead of 10 per call of a one-callback function on a 2-core CPU, jax 0.10.2;
-`tests/test_interop_bridge.py` checks that no Python dispatch runs).
+Per-call host work is kept small: shape bookkeeping at trace time, DLPack capsules made and
+consumed directly, one `torch.cuda.ExternalStream` cached per XLA stream. The custom call is
+declared free of side effects, so a jitted function holding it keeps JAX's C++ dispatch (an
+effectful executable runs pjit's Python path on every call; `tests/test_interop_bridge.py`
+checks that none runs).
 
 Hazards, stated plainly:
 - Tensors handed to `fn` alias XLA buffers that live only for the call: `fn` must not keep them.
@@ -28,9 +25,8 @@ Hazards, stated plainly:
 - With `command_buffer_compatible=True` XLA may capture the call into a CUDA graph and replay it
   without running Python: `fn` must then launch the same kernels on every call, allocate nothing
   (torch's allocator does not know the graph), and read nothing from the device on the host.
-- torch's CUDA context must exist before the first jitted call: when torch's first CUDA op ran
-  inside a callback, every later call cost ~2 ms instead of ~0.2 ms (H200, jax 0.11.2, torch
-  2.11; cause not isolated). Tracing a call on a GPU backend initialises it.
+- torch's CUDA context must exist before the first jitted call (created inside a callback,
+  every later call ran about 10x slower). Tracing a call on a GPU backend initialises it.
 """
 
 from __future__ import annotations

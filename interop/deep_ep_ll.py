@@ -26,9 +26,8 @@ from moe_jax.prepare_finalize import (
 from moe_jax.registry import AUTO, FunctionImpl, OpProblem, Registry, current_platform
 
 # How the LL dispatch's receive buffers reach XLA's: "valid_rows" copies only rows < recv_count
-# (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device).
-# "auto" is "valid_rows" on a GPU backend (fewer bytes: ~7.6 MB instead of ~30 MB at T_max=128,
-# E_local=32, H=7168), else "all_rows".
+# (one Triton kernel, GPU only), "all_rows" copies whole buffers (five torch copies, any device);
+# "auto" is "valid_rows" on a GPU backend, else "all_rows" (`RECV_COPIES`).
 LL_RECV_COPIES = (AUTO, "valid_rows", "all_rows")
 
 
@@ -40,9 +39,7 @@ class ValidRowsCopyConfig:
       block_t: received rows per program (power of two).
       block_w: int32 words per row chunk a program moves per step (power of two).
       num_warps: Triton warps per program.
-
-    The defaults are the fastest tiling of `benchmarks/deep_ep_ll_bench.py --copy-sweep`
-    (BENCHMARKS.md).
+    Defaults: BENCHMARKS.md, `deep_ep_ll_bench.py --copy-sweep`.
     """
 
     block_t: int = 4
@@ -187,8 +184,6 @@ def _needs_gpu(problem: OpProblem) -> str | None:
     return None
 
 
-# The receive copies, chosen like every implementation (`moe_jax.registry`); "auto" is
-# "valid_rows" on a GPU (see LL_RECV_COPIES' comment), else "all_rows".
 RECV_COPIES = Registry(
     "recv_copy",
     preference=lambda problem: (

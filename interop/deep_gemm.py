@@ -119,11 +119,6 @@ def _library() -> tuple[Any, str | None]:
         return None, f"import deep_gemm failed ({type(e).__name__}: {e}); {INSTALL_HINT}"
 
 
-def unavailable_reason() -> str | None:
-    """Why DeepGEMM cannot be used in this environment (what to install), or None."""
-    return _library()[1]
-
-
 def _resolve(kind: str):
     module, why = _library()
     if module is None:
@@ -235,9 +230,8 @@ class DeepGemm(grouped_gemm.GroupedGemm):
         if max_m == 0:
             return jnp.zeros((num_groups, 0, n), out_dtype)
         if max_m < MASKED_MIN_ROWS:
-            # DeepGEMM 2.8.2's masked kernels gave wrong rows for max_m of 1, 8 and 32 on the
-            # H200 (2026-12-01, relative error 0.73-0.85 in the decode bench; correct from 128
-            # up), so shorter blocks run padded to MASKED_MIN_ROWS zero rows and are cut back.
+            # DeepGEMM 2.8.2's masked kernels give wrong rows for max_m below 128 (1, 8, 32
+            # seen): shorter blocks run padded to MASKED_MIN_ROWS zero rows and are cut back.
             pad = [(0, 0), (0, MASKED_MIN_ROWS - max_m), (0, 0)]
             y = self.masked(
                 jnp.pad(x, pad),

@@ -3,18 +3,14 @@
 The bug: Pallas Triton (`_compute_offsets_from_indices` in jax/_src/pallas/triton/lowering.py,
 jax 0.10 and 0.11) computes a ref's element offsets in int32 unless the whole array exceeds
 2**32 *bytes*. For 1-byte dtypes (FP8, int8, uint8) of 2**31 to 2**32 elements the offsets pass
-int32's range and wrap negative, so loads and stores touch other memory. DeepSeek-V3's FP8 w2
-on one GPU, [256, 7168, 2048] = 3.76e9 elements, is such an array: on the H200 the grouped GEMM
-read garbage for experts >= 146 (BENCHMARKS.md, issue 12). Masked FP8 activations of
-[256, 1566, 7168] are another.
+int32's range and wrap negative, so loads and stores touch other memory: DeepSeek-V3's FP8 w2
+on one GPU, [256, 7168, 2048] = 3.76e9 elements, is such an array (issue 12).
 
 The fix, applied once by `install()`: for 1-byte arrays of more than 2**31 elements (so the
 last offset, n - 1, passes int32) the offset computation is told the element size is 2 bytes,
-which puts the array past the 2**32-byte threshold and selects int64 offsets. Nothing else in
-that function reads the dtype (read in jax 0.10.2's source; on the H200's jax 0.11.2 the GPU
-test that addresses an expert past 2**31 passes). Sub-byte and bool arrays report one byte too
-and get the same fix. Arrays of at most 2**31 elements and wider dtypes lower exactly as before,
-so only programs that addressed wrong memory change.
+which puts the array past the 2**32-byte threshold and selects int64 offsets (nothing else in
+that function reads the dtype). Sub-byte and bool arrays get the same fix. Arrays of at most
+2**31 elements and wider dtypes lower exactly as before.
 
 Remove this module once JAX's threshold counts elements: `tests/test_kernels_wide_offsets.py`
 lowers a probe kernel with and without the patch and fails when the unpatched lowering no

@@ -1,11 +1,9 @@
 """Pallas GPU kernels: per-token-group FP8 quantization, alone or fused after act(gate) * up.
 
-Between the two grouped GEMMs of the FP8 pipeline, the bf16 [M, 2I] output of GEMM1 becomes the
-FP8 [M, I] input of GEMM2 plus float32 scales [M, I / 128]. Unfused this reads [M, 2I], writes and
-re-reads [M, I] bf16, and writes [M, I] FP8; fused it reads [M, 2I] once and writes only the FP8
-rows and the scales. One program handles `block_m` rows of one 128-column group: it loads the gate
-columns [g*128, (g+1)*128) and the up columns [I + g*128, ...), so the group's amax never leaves
-registers.
+The fused kernel turns GEMM1's bf16 [M, 2I] into GEMM2's FP8 [M, I] plus float32 scales
+[M, I / 128] in one pass. One program handles `block_m` rows of one 128-column group: it loads the
+gate columns [g*128, (g+1)*128) and the up columns [I + g*128, ...), so the group's amax never
+leaves registers.
 
 Rounding matches `moe_jax.activation.act_and_mul` followed by
 `moe_jax.quant.per_token_group_quant_fp8`: act in float32, rounded to the input dtype, the product
@@ -15,14 +13,11 @@ quantizes the layer's input tokens before the permute (its scales by row, the or
 permute gathers them in); `act_and_quant` can write its scales group-major, for a GEMM2 that
 reads them so (`is_scales_group_major`).
 
-Interpret mode (the CPU tests) and the compiled kernel run one body. The quantization's roundings
-are the same functions in both, spelled per backend in `_divide`, `_divide_rows`, `_saturate` and
-`_round` (XLA and Triton each need their own spelling to round where the reference rounds; the
-compiled spellings are also the cheap ones: a reciprocal per row instead of a division per
-element, the cast's own saturation instead of a clip). What interpret mode does not cover is the
-activation's own float32 arithmetic, which the compiled kernel spells with `exp2`
-(`KERNEL_ACTIVATIONS`) and Triton lowers to its own GPU instructions: the compiled act + quant
-kernel can move an FP8 code by one step where the activation lands on a bf16 rounding boundary.
+Interpret mode (the CPU tests) and the compiled kernel run one body; the roundings are spelled
+per backend in `_divide`, `_divide_rows`, `_saturate` and `_round` so both round where the
+reference rounds. Interpret mode does not cover the activation's float32 arithmetic, which the
+compiled kernel spells with `exp2` (`KERNEL_ACTIVATIONS`): it can move an FP8 code by one step
+where the activation lands on a bf16 rounding boundary.
 """
 
 from __future__ import annotations
@@ -72,15 +67,9 @@ GROUPS_PER_PROGRAM = 2  # 128-column groups per program, where the group count a
 
 
 def heuristic_config(num_rows: int, num_groups: int = 1) -> ActQuantConfig:
-    """Up to 16 rows x 2 groups of 128 columns per program (8 KiB of bf16 in per operand, 4 KiB
-    of FP8 out), the grid walking column groups fastest.
-
-    Fewer rows per program when the call has fewer than `MIN_PROGRAMS` programs of 16 rows
-    (decode-size calls: 128 rows x 16 groups at T=1), so each thread quantizes fewer elements
-    one after the other: a program's latency, not the bytes, bounds such a call.
-
-    The fastest of 6 tilings at layer shapes A and B (BENCHMARKS.md, Thresholds:
-    `act_quant.heuristic_config`).
+    """Up to 16 rows x 2 groups of 128 columns per program, the grid walking column groups
+    fastest; fewer rows per program where the call would have fewer than `MIN_PROGRAMS` programs
+    (BENCHMARKS.md, Thresholds: `act_quant.heuristic_config`).
 
       >>> heuristic_config(36832, 16)
       ActQuantConfig(block_m=16, num_warps=4, groups_per_program=2, is_group_major=True)
@@ -134,13 +123,9 @@ def _divide_rows(a, b, *, interpret: bool):
     max(amax, 1e-10) / 448: 2.2e-13 to 7.6e35).
 
     Interpret mode divides (`quant.divide`). The compiled kernel takes one correctly rounded
-    reciprocal per row (`div.rn.f32`) and per element a multiply and two FMAs, CUDA's own
-    `div.rn.f32` fast path (a refined reciprocal, a multiply, one FMA correction) without its
-    per-element reciprocal and range check (FCHK): 4 SASS instructions per element instead of
-    10 and a branch. The quotient is the correctly rounded one wherever the residual a - q0 * b
-    is exact, i.e. |a| >= 2**-100; below that it may be one float32 ulp off, but such a quotient
-    (under 2**-58) casts to a zero of a's sign either way (copysign keeps -0.0 / b == -0.0).
-    `tests/test_kernels_act_quant.py` checks the codes bit for bit next to e4m3 rounding ties.
+    reciprocal per row (`div.rn.f32`) and per element a multiply and two FMAs
+    (`_DIVIDE_BY_RECIPROCAL_PTX`): the correctly rounded quotient wherever |a| >= 2**-100; below
+    that it may be one ulp off, but such a quotient casts to a zero of a's sign either way.
     """
     if interpret:
         return quant.divide(a, b)
@@ -172,14 +157,10 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 def _silu_by_exp2(x):
     """silu(x) = x / (1 + exp(-x)) with exp(-x) spelled exp2(-x * log2(e)), float32.
 
-    On the GPU Triton lowers `exp2` to one `ex2.approx` (MUFU) and a multiply, where `exp` is
-    libdevice's `__nv_expf`, about 8 instructions per element: in the fused act + quant kernel
-    these were a fifth of the instructions it issued (ncu at shape A: issue slots 78% busy). The
-    approximation's error (2 ulp of float32) is far below the bf16 rounding the activation goes
-    through next; like the other activation arithmetic it can move a result across a bf16
-    rounding boundary, which the GPU tests bound (one FP8 step, at most 1% of codes). Compiled
-    kernel only: interpret mode keeps the reference's spelling, so it stays bitwise equal to
-    the reference on the CPU.
+    Triton lowers `exp2` to one `ex2.approx` and a multiply (`exp` is libdevice's `__nv_expf`).
+    Its error (2 ulp of float32) can move a result across a bf16 rounding boundary, which the
+    GPU tests bound (one FP8 step, at most 1% of codes). Compiled kernel only: interpret mode
+    keeps the reference's spelling.
     """
     return x / (1.0 + jnp.exp2(x * -LOG2E))
 

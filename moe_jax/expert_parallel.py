@@ -23,8 +23,8 @@ Transports, chosen by `EPConfig.transport` through the registry `TRANSPORTS` (bo
 same [R, C, ...] buffers):
 - "padded": `jax.lax.all_to_all` of the whole buffers. Runs everywhere (XLA:CPU included); what
   "auto" picks (`transport_preference` gives the measurement).
-- "ragged": `jax.lax.ragged_all_to_all` moving only the used rows of each block. Only when named:
-  8x slower on two H200s, and XLA:CPU does not implement it (jax #34755).
+- "ragged": `jax.lax.ragged_all_to_all` moving only the used rows of each block. Only when named
+  (BENCHMARKS.md, EP); XLA:CPU does not implement it (jax #34755).
 
 Static shapes: C defaults to T * k, the worst case, so nothing can be dropped; the receive buffer
 is then R * T * k rows. A smaller C bounds memory and traffic; `EPStats` then reports, per rank,

@@ -237,12 +237,8 @@ class XlaGemm(GroupedGemm):
     """Reference backend in plain XLA; FP8 operands are dequantized to float32 first.
 
     The contiguous GEMM is a loop over `alignment`-row blocks, each against its one expert's
-    weights: work-efficient, but not fast on a GPU. (`jax.lax.ragged_dot` is avoided: XLA expands
-    it into a masked dense product on GPU and CPU alike, E times the work.)
-
-    Its own segment multiple is 16 rows: a decode-size call pads each routed expert to 16 rows
-    rather than 128 (at T=32, k=8 on a CPU that is 8x fewer rows to multiply), and a 16-row block
-    still feeds the CPU's matrix units well.
+    weights (`jax.lax.ragged_dot` would be a masked dense product, E times the work). Its own
+    segment multiple is 16 rows, so decode-size calls pad each routed expert to 16 rows, not 128.
     """
 
     name = "xla"
