@@ -123,7 +123,7 @@ class NoEPPrepareFinalize(PrepareFinalize):
 
     Attributes:
       quant_impl: implementation of the FP8 token quantization (`moe_jax.act_quant.group_quant`):
-        "auto", "xla", "pallas", "pallas_interpret" or an implementation object.
+        "auto", "xla", "pallas" or an implementation object.
     """
 
     quant_impl: str = "auto"
