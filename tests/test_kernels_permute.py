@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from contract import impl_params, runs_or_skip
 
 from moe_jax import layouts
 from moe_jax import permute as permute_front
@@ -20,11 +21,7 @@ from moe_jax.kernels.permute import PermuteConfig
 from moe_jax.quant import per_token_group_quant_fp8
 
 # "xla" through the front: the reference's own oracle test is tests/test_layouts.py's.
-IMPLS = [
-    pytest.param("xla"),
-    pytest.param("pallas_interpret"),
-    pytest.param("pallas", marks=pytest.mark.gpu),
-]
+IMPLS = impl_params(permute_front.PERMUTES)  # every name, interpret twins too
 FIELDS = ("rows", "row_scales", "expert_ids", "inverse", "num_tokens_per_expert", "expert_ends")
 
 
@@ -88,6 +85,7 @@ def _oracle(x, ids, *, num_experts, expert_map, alignment, x_scales=None):
 
 
 def _run(impl, x, ids, **kwargs):
+    runs_or_skip(permute_front.PERMUTES.get(impl), permute_front.problem_for(x))
     return permute_front.permute(x, ids, impl=impl, **kwargs)
 
 
