@@ -4,10 +4,8 @@ Pallas' Triton lowering of `dot_general` (jax 0.10-0.11, `_dot_general_lowering`
 `tt.dot` without the `maxNumImpreciseAcc` attribute, i.e. 0: "accumulate FP8 products exactly".
 Triton then does not use Hopper's FP8 wgmma, whose accumulator is less precise than float32;
 it upcasts both operands to half precision and runs `mma.sync`. Triton's own `tl.dot` sets the
-attribute for FP8 operands, so a Triton kernel gets FP8 wgmma where a Pallas one does not.
-Offline (`python -m benchmarks.kernel_sass`, pip triton 3.6.0, sm_90), the decode grouped
-GEMM's [128 x 64] tile compiles to 128 HMMA and 224 F2FP per program without the attribute and
-to 8 QGMMA and 32 F2FP with it (BENCHMARKS.md, "Prefill").
+attribute for FP8 operands, so a Triton kernel gets FP8 wgmma where a Pallas one does not
+(`python -m benchmarks.kernel_sass` shows the SASS; BENCHMARKS.md, "Prefill").
 
 `allow_imprecise_accumulation(name, max_k)` gives every FP8 x FP8 dot of the Pallas kernel
 called `name` the attribute `max_k`: the tensor core may sum up to `max_k` products of K before

@@ -15,22 +15,11 @@ expert's weight tile once over K:
 
 Worked example, block_m 16, experts 3 and 7 with 5 and 20 rows: expert_ids has 3 on rows 0-4,
 -1 on 5-15, 7 on rows 16-35, -1 on 36-47; programs of row blocks 0, 1 and 2 stream w[3], w[7]
-and w[7]; blocks past the last segment return. With decode-size calls (a handful of rows per
-expert) the cost is reading each active expert's weights once, so padding to 16 rows instead of
-DeepGEMM's 128 wastes little arithmetic. The grid may launch row blocks first (the blocks of one
-expert stream the same weight tile together and share it through L2) or column tiles first (one
-row block's x rows stay in L2 across its column tiles while the weights stream); the heuristic
-takes columns first for FP8, where x outgrows L2 from a few dozen tokens.
-
-Pallas Triton lowers FP8 dots on sm_90, and the heuristic feeds FP8 tiles to the dot as vLLM's
-Triton kernel does (`GroupedGemmConfig.is_fp8_dot`). Pallas asks Triton for exact accumulation of
-those dots, so Triton upcasts the tiles to half precision for `mma.sync`; `is_fp8_wgmma`, which
-the heuristic sets for FP8, lets it use Hopper's FP8 wgmma instead, whose accumulator sums each
-128-wide K block with fewer than float32's bits before the per-block scales apply in float32
-(`kernels/_fp8_dot.py`). With `is_fp8_dot=False` the tiles are upcast to bf16 in-kernel instead
-(exact: e4m3 values are bf16 values), converting every weight element in the kernel's code.
-Padding rows of the output are unspecified, as the `GroupedGemm` contract allows; nothing is read
-or written out of bounds.
+and w[7]; blocks past the last segment return. The grid launches row blocks first (an expert's
+blocks share its weight tile through L2) or column tiles first (a row block's x rows stay in L2);
+FP8 tiles go to the dot as they are (`GroupedGemmConfig.is_fp8_dot`, `is_fp8_wgmma`), else they
+are upcast to bf16 in-kernel (exact). Padding rows of the output are unspecified, as the
+`GroupedGemm` contract allows; nothing is read or written out of bounds.
 """
 
 from __future__ import annotations
@@ -120,11 +109,9 @@ def heuristic_config(
     directly on Hopper's FP8 wgmma (`is_fp8_wgmma`). Short segments launched rows first (T=1,
     and bf16) take [16, 64] tiles (more programs to stream the weights); FP8 short segments
     launched columns first and longer ones take [., 128] tiles, computed transposed while
-    block_m < 64 so the weight rows fill the large side of Hopper's wgmma; from block_m 64 on
-    the x rows fill it themselves. FP8 launches the grid column tiles first from
-    `COLUMN_MAJOR_MIN_ROWS` layout rows: x outgrows L2 from about T=32 on DeepSeek-V3, and row
-    blocks first would stream it from DRAM once per column tile. `benchmarks/gemm_sweep.py`
-    times the alternatives (BENCHMARKS.md).
+    block_m < 64 so the weight rows fill the large side of Hopper's wgmma. FP8 launches the
+    grid column tiles first from `COLUMN_MAJOR_MIN_ROWS` layout rows, where x outgrows L2
+    (`benchmarks/gemm_sweep.py` times the alternatives; BENCHMARKS.md).
     """
     mean_rows = max(MIN_BLOCK, _triton.next_power_of_2(-(-num_rows // max(num_experts, 1))))
     block_cap = min(MAX_ALIGNMENT, mean_rows)

@@ -47,11 +47,8 @@ class MosaicFp8GemmConfig:
       skips_padding_blocks: on 128-row segments in groups of at most 2 (the tile order the
         kernel computes itself, `kernels.mosaic_fp8_kernel`'s `is_dense`), take the tiles from
         a list of the valid row blocks (`mosaic_fp8_tiles.valid_blocks`, one XLA nonzero), so
-        that a pair's all-padding second block (its expert's rows end in the first; about 5.6%
-        of the blocks at shape B) is not computed; False computes every block of a valid pair
-        and builds no list.
-        Elsewhere the tile table skips padding blocks anyway. Opt-in: it was not faster in the
-        layer (BENCHMARKS.md).
+        that a pair's all-padding second block is not computed; False computes every block of a
+        valid pair. Elsewhere the tile table skips padding blocks anyway. Opt-in (BENCHMARKS.md).
     N must be a multiple of `tile_n`.
     """
 

@@ -4,12 +4,11 @@
 computes on the contiguous layout, without the layout's rows: row r of the layout is token
 `row_sources[r]` of `x_tokens` (-1 on padding rows), and the kernel loads each 64-row block from
 there. The layer then only routes (`moe_jax.permute.route`): the FP8 rows and their scales are
-never copied, and their buffer (M x H bytes, 167 MB at shape B: T=8192 k=8 E=128 H=2048) never
-allocated.
+never copied, and their [M, H] buffer never allocated.
 
 Hopper's TMA copies boxes, not lists of rows, so the memory warpgroup gathers with per-thread
 asynchronous copies (PTX `cp.async`, 16 bytes each) into the swizzled shared-memory tile the
-wgmma reads, and the row scales with 4-byte ones (a TMA box of one row per K block was slower).
+wgmma reads, and the row scales with 4-byte ones.
 Pallas has no such copy: the `inline_mgpu` blocks below emit it. Everything else is
 `kernels.mosaic_fp8_kernel`'s kernel at `is_dense` (128-row segments): the same tiles in the
 same order, the same wgmmas, scales and epilogue (`kernels.mosaic_fp8_epilogue.store_act_quant`),
@@ -29,8 +28,6 @@ S + `extra_x_slots` row slots and P K blocks per step (`k_blocks_per_step`):
     compute warpgroups: as `kernels.mosaic_fp8_kernel` (wait for both barriers of the step,
     a proxy fence for the rows the cp.asyncs wrote, the wgmmas and their scaling, release
     both slots), then the epilogue.
-
-What was measured and tried (other copy schemes, prefetches, waits) is in BENCHMARKS.md.
 
 Compiled only: Mosaic GPU's interpret mode runs no inline PTX. The CPU tests run its reference,
 `gathered_act_quant_reference` (the rows gathered by XLA, then the contiguous kernel, which has

@@ -21,9 +21,7 @@ contiguous layout with vLLM's 128x128 block scales, built the way DeepGEMM's is:
 
 - grouped (`group_blocks`): an expert's row blocks in groups of `group_blocks` take each
   column tile one after the other, so the programs reading one weight tile run on neighbouring
-  SMs at the same time and all but the first can find it in L2 (with groups of one, a block's
-  column tiles run in a row and the expert's next block reads the same weight tiles n_tiles
-  tiles later, by then likely from HBM again: GEMM1 at T=2048 timed as if it did);
+  SMs at the same time and all but the first can find it in L2;
 - chained (`is_chained`): consecutive tiles' pipelines run as one, so the memory warpgroup goes
   on into the next tile's K blocks while the compute warpgroups finish a tile; it needs a tile's
   pipeline steps to be a multiple of `max_concurrent_steps` (else the tiles run one pipeline
@@ -32,7 +30,6 @@ contiguous layout with vLLM's 128x128 block scales, built the way DeepGEMM's is:
   each pipeline step carries two K blocks and a compute warpgroup puts both wgmmas in flight
   (two accumulators) before it scales the first, so the scaling of one block runs beside the
   next block's wgmma instead of after it.
-  The kernel's time follows that wgmma-wait-scale chain more than its loaded bytes.
 
 With `activation`, each tile is 128 gate and the same 128 up columns of GEMM1 (one per compute
 warpgroup) and its epilogue, `kernels.mosaic_fp8_epilogue.store_act_quant`, writes act(gate) * up

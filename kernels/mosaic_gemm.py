@@ -1,11 +1,9 @@
 """Grouped-GEMM backend "mosaic": JAX's own Mosaic GPU `ragged_dot` kernel (bf16/f16, Hopper).
 
-The bf16 fast path when DeepGEMM and torch are both unavailable. It wraps
-`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (far faster than
-`jax.lax.ragged_dot`, a masked dense product on GPUs; BENCHMARKS.md). The contiguous layout's
-padded segments are its
-groups; padding rows are computed (zeros in, zeros out) and rows past the last segment are left
-unspecified, as the GroupedGemm contract allows.
+The bf16 fast path when DeepGEMM and torch are both unavailable: it wraps
+`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`. The contiguous layout's padded
+segments are its groups; padding rows are computed (zeros in, zeros out) and rows past the last
+segment are left unspecified, as the GroupedGemm contract allows.
 """
 
 from __future__ import annotations

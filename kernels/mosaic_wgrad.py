@@ -18,11 +18,8 @@ from moe_jax import grouped_gemm, grouped_gemm_backward
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicWgradConfig:
-    """Tile sizes of `transposed_ragged_dot_mgpu.transposed_ragged_dot` (names as there).
-
-    The defaults are the fastest of `benchmarks/wgrad_bench.py --sweep` at shape B
-    (BENCHMARKS.md).
-    """
+    """Tile sizes of `transposed_ragged_dot_mgpu.transposed_ragged_dot` (names as there);
+    defaults from `benchmarks/wgrad_bench.py --sweep` (BENCHMARKS.md)."""
 
     block_m: int = 128
     block_n: int = 128

@@ -60,9 +60,7 @@ from moe_jax import layouts
 from moe_jax.kernels import _triton
 
 _TICKETS, _DONE = 0, 1  # the two counters
-# Chunks of `block_c` pairs: at most this many (fastest of 128, 256 and 512 at layer shapes A
-# and B; BENCHMARKS.md, Thresholds: `xla_routing_metadata_first`'s command).
-_MAX_CHUNKS = 256
+_MAX_CHUNKS = 256  # chunks of `block_c` pairs at most (BENCHMARKS.md, Thresholds)
 # Loops of up to this many steps are unrolled (their loads need not wait on each other); longer
 # ones stay loops: 32 unrolled steps (T*k = 128K pairs) took Triton over 2 minutes to compile.
 MAX_UNROLLED_STEPS = 8

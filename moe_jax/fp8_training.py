@@ -50,7 +50,7 @@ class Fp8Training:
 
     Attributes:
       quant_impl: implementation of the 1x128 quantization of activations and output gradients
-        (`moe_jax.act_quant.GROUP_QUANTS`: "auto", "xla", "pallas", "pallas_interpret").
+        (`moe_jax.act_quant.GROUP_QUANTS`: "auto", "xla", "pallas").
     """
 
     quant_impl: str = AUTO
@@ -155,10 +155,8 @@ def _quantize_rows(a: jax.Array, recipe: Fp8Training) -> tuple[jax.Array, jax.Ar
 def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """128x128 block FP8 of w [E, N, K] and of its transpose [E, K, N], from one read of w.
 
-    The formula is `quant.per_block_quant_fp8`'s, except that the division is left to XLA (which
-    may multiply by the reciprocal, a last-bit difference that training does not care about):
-    the exact division there materializes full-size float32 scales, several passes over w.
-    N and K must be multiples of 128.
+    `quant.per_block_quant_fp8`'s formula, with the division left to XLA (it may multiply by
+    the reciprocal: a last-bit difference). N and K must be multiples of 128.
 
     Returns:
       (wq float8_e4m3fn[E, N, K], scales float32[E, N/128, K/128], the transpose of wq
@@ -178,12 +176,8 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.
 
 @functools.cache
 def _fp8_gemm(statics: _Statics):
-    """The recipe's GEMM as a `jax.custom_vjp` of (x, w, expert_ids, expert_ends), one per statics.
-
-    The statics are closed over rather than passed as `nondiff_argnums`: only arrays cross the
-    custom_vjp boundary, which every JAX version handles alike (jax 0.11 rejected this call with
-    "Argument 'bfloat16' of type <class 'str'> is not a valid JAX type" under `nondiff_argnums`).
-    """
+    """The recipe's GEMM as a `jax.custom_vjp` of (x, w, expert_ids, expert_ends), one per statics
+    (closed over, not `nondiff_argnums`: jax 0.11 rejects their str fields there)."""
 
     @jax.custom_vjp
     def gemm(x, w, expert_ids, expert_ends):

@@ -19,19 +19,14 @@ makes the activation's (a masking pass here would cost one more read and write o
 masked layout's wgrad masks x itself. dx on padding rows is unspecified; the permute's backward
 never reads it.
 
-Residuals: x and w only (w is a parameter; x is the permuted input or the activation, which the
-caller keeps anyway): 2 * K bytes per row for bf16 x. Nothing [M, N]-sized is saved.
+Residuals: x and w only; nothing [M, N]-sized is saved.
 
 Gradients through float8_e4m3fn weights (inference checkpoints) are not defined: differentiating
 through them raises, naming the training recipe (`moe_jax.fp8_training`).
 
-WGRADS implementations: "xla" (a scan over alignment-row blocks accumulating into dw: no E-times
-dense product, one [N, K] block product live at a time; correct everywhere, slow on GPUs) and
-"torch" (`torch._grouped_mm` 2-D x 2-D with `offs`, in `moe_jax.interop.torch_gemm`; its CPU twin
-runs in CI), "mosaic" (JAX's Mosaic GPU `transposed_ragged_dot`, Hopper; named only), "pallas"
-(a Pallas Triton k-grouped GEMM writing XLA's buffer, `moe_jax.kernels.wgrad`; the tests
-register its interpret mode as "pallas_interpret"). "auto" tries them in
-`moe_jax.plan.wgrad_order`'s order.
+WGRADS implementations: "xla" (`wgrad_reference`, everywhere), "torch" (`torch._grouped_mm`
+with `offs`), "mosaic" (Mosaic GPU `transposed_ragged_dot`, named only) and "pallas"
+(`moe_jax.kernels.wgrad`); "auto" tries them in `moe_jax.plan.wgrad_order`'s order.
 """
 
 from __future__ import annotations
