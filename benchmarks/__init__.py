@@ -16,7 +16,6 @@ Kernels:
   gemm_sweep          tile sweep of the decode grouped GEMMs (Pallas, Mosaic)
   wgrad_bench         the grouped weight-gradient kernels
   destinations_bench  the contiguous layout's rank methods and the routing-metadata kernel
-  kernel_sass         what the Pallas kernels compile to on Hopper (SASS), without a GPU
   sanitize_kernels    every compiled kernel once, for compute-sanitizer (gpu_check.sh sanitize)
 Interop:
   deep_gemm_options   DeepGEMM's FP8 grouped GEMMs under its process-wide options (alignment, ...)

@@ -32,11 +32,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +46,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernel_sass import captured_stdout
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.cli import decode_bench
 from moe_jax.cli.timing import BURST, rel_error, time_calls
@@ -163,6 +164,26 @@ def ptxas_usage(log: str) -> PtxasUsage | None:
         spill_loads=loads,
         wgmma_serialized=tuple(dict.fromkeys(s.strip() for s in serialized)),
     )
+
+
+@contextlib.contextmanager
+def captured_stdout():
+    """Captures what is written to standard output, by Python and by native code (ptxas' report
+    comes from C++ on file descriptor 1), into the StringIO it yields."""
+    captured = io.StringIO()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            with contextlib.redirect_stdout(captured):
+                yield captured
+            sys.stdout.flush()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            sink.seek(0)
+            captured.write(sink.read())
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ Pallas' Triton lowering of `dot_general` (jax 0.10-0.11, `_dot_general_lowering`
 Triton then does not use Hopper's FP8 wgmma, whose accumulator is less precise than float32;
 it upcasts both operands to half precision and runs `mma.sync`. Triton's own `tl.dot` sets the
 attribute for FP8 operands, so a Triton kernel gets FP8 wgmma where a Pallas one does not
-(`python -m benchmarks.kernel_sass` shows the SASS; BENCHMARKS.md, "Prefill").
+(BENCHMARKS.md, "Prefill").
 
 `allow_imprecise_accumulation(name, max_k)` gives every FP8 x FP8 dot of the Pallas kernel
 called `name` the attribute `max_k`: the tensor core may sum up to `max_k` products of K before

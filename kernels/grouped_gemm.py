@@ -66,7 +66,7 @@ class GroupedGemmConfig:
         each 128-wide K block with less precision than float32 before the kernel scales it and
         adds it in float32 (DeepGEMM's and vLLM's recipe; `kernels/_fp8_dot.py`). Without it
         Pallas' lowering asks for exact accumulation and Triton upcasts the FP8 tiles to half
-        precision for `mma.sync` (seen offline with `benchmarks/kernel_sass.py`). Needs
+        precision for `mma.sync`. Needs
         `is_fp8_dot` and FP8 operands. The heuristic turns it on for FP8.
     """
 

@@ -250,7 +250,7 @@ def test_kernel_lowers_for_hopper_with_the_hardware_reporting_the_rows():
     memory warpgroup never waits for its own copies: each thread's cp.asyncs are followed by
     `cp.async.mbarrier.arrive.noinc` on the slot's mbarrier (initialized for the warpgroup's
     128 threads), which the compute warpgroups wait on."""
-    from moe_jax.kernels.lowering import lower_for_hopper
+    from hopper_lowering import lower_for_hopper
 
     num_tokens, k, inter, num_experts, num_rows = 8, 256, 128, 2, 256
     config = mg.act_quant_heuristic_config(

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hopper_lowering import lower_for_hopper
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from moe_jax import quant
 from moe_jax.kernels import _triton, _wide_offsets
-from moe_jax.kernels.lowering import lower_for_hopper
 
 ROWS, COLS = 16, 128
 DEEPSEEK_W2 = (256, 7168, 2048)  # 3.76e9 FP8 elements: past 2**31, below 2**32 bytes
