@@ -168,7 +168,10 @@ def test_contiguous_experts_take_the_pallas_alignment():
     assert rows == 80  # round_up(6 pairs + 4 segments * 15 padding rows, 16)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
+# bf16: the segments are chosen by pairs per expert whatever the dtype; the FP8 layer through
+# this backend is tests/test_contract_experts.py's (16-row segments) and its FP8 GEMM on 32- and
+# 64-row segments test_contract_grouped_gemm.py's.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 @pytest.mark.parametrize(
     ("num_tokens", "alignment"), [(6, 16), (24, 32), (100, 64)], ids=lambda v: str(v)
 )
