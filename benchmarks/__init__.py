@@ -9,7 +9,6 @@ Whole layer:
   gather_bench        the front half with the gathered fused GEMM1 against the permuted one
   train_stages        forward and backward time of each stage of a training step
   bench_ratio         current / baseline table of `bench --json` files (gpu_check.sh baseline)
-  waited_overhead     what waiting for a call costs over streaming calls, on this host
 Kernels:
   kernel_bench        the Pallas data-movement kernels against XLA and the copy bandwidth
   gemm_sweep          tile sweep of the decode grouped GEMMs (Pallas, Mosaic)

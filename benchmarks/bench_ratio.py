@@ -1,15 +1,13 @@
 """Today's code against an earlier commit's, from `bench --json` files of alternating runs.
 
     python -m benchmarks.bench_ratio --baseline b1.json b2.json --current c1.json c2.json
-    python -m benchmarks.bench_ratio --names without "with X=1" --baseline ... --current ...
 
 Each file is one `python -m moe_jax bench ... --json F` run; the baseline and current runs are
 taken in alternation on one machine (`bash scripts/gpu_check.sh baseline` does that). For each
 shape and variant in both, prints the baseline's and the current code's ms per forward (back to
 back) and latency of every run, and current / baseline of each round and of the medians. A
 ratio from one machine carries to another card where a figure does not: it says how much of an
-issue's "from X ms to Y ms" a change made, on whichever GPU it ran. `--names` renames the two
-sides in the table (`gpu_check.sh env` compares an environment setting against none).
+issue's "from X ms to Y ms" a change made, on whichever GPU it ran.
 """
 
 from __future__ import annotations
@@ -66,11 +64,10 @@ def _runs(values: list[float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values) or "-"
 
 
-def table(entries: list[dict], names: tuple[str, str] = ("baseline", "current")) -> str:
-    """The comparison as a Markdown table; `names` are the two sides' (baseline, current)."""
-    base, cur = names
+def table(entries: list[dict]) -> str:
+    """The comparison as a Markdown table."""
     lines = [
-        f"| shape | variant | {base} ms (latency) | {cur} ms (latency) | {cur} / {base}"
+        "| shape | variant | baseline ms (latency) | current ms (latency) | current / baseline"
         " per round | of medians: ms, latency |",
         "|---|---|---|---|---|---|",
     ]
@@ -90,13 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", nargs="+", required=True, help="the earlier code's runs")
     parser.add_argument("--current", nargs="+", required=True, help="today's runs")
-    parser.add_argument(
-        "--names",
-        nargs=2,
-        default=("baseline", "current"),
-        metavar=("BASELINE", "CURRENT"),
-        help="the two sides' names in the table",
-    )
     args = parser.parse_args(argv)
     try:
         baseline, current = load_runs(args.baseline), load_runs(args.current)
@@ -107,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not entries:
         print("bench_ratio: no shape and variant was timed in every run", file=sys.stderr)
         return 2
-    print(table(entries, tuple(args.names)))
+    print(table(entries))
     return 0
 
 

@@ -21,17 +21,6 @@
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
 #       MOE_JAX_BASELINE_ROUNDS times (2), then benchmarks/bench_ratio.py's table of current /
 #       baseline: a ratio that carries to issues whose figures came from another card
-#   bash scripts/gpu_check.sh env NAME=VALUE [NAME=VALUE ...] [-- bench args]   the same
-#       alternation for a process environment setting: `bench` (same default arguments) as this
-#       shell runs it ("without") and with the assignments ("with"), MOE_JAX_ENV_ROUNDS times
-#       (2), then bench_ratio.py's with / without table. First, each side's PjRt client log
-#       lines (a JAX process at TF_CPP_MIN_LOG_LEVEL=0: XLA's TFRT client, where a plugin has it,
-#       logs "TfrtGpuClient created"; jax 0.11.2's CUDA 13 plugin does not contain it, and
-#       XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 changes nothing there, BENCHMARKS.md
-#       2026-12-06); then each side's benchmarks/waited_overhead.py table
-#       (what a waited call costs over a streamed one for programs that are not moe_jax's;
-#       matmul side MOE_JAX_ENV_WAITED_SIZE, 8192). For XLA_FLAGS, XLA_PYTHON_CLIENT_*,
-#       TF_CUDA_*: the runtime's settings, none of which moe_jax sets itself
 # MOE_JAX_REQUIRE_GPU=NAME (any mode): run only on a GPU whose name holds NAME (e.g. H200, the
 #   card issue 14's targets are set on); on any other, or with no GPU, say which GPU it is and
 #   exit 3 before anything runs. The device tool lends H100s to most calls that ask for an H200
@@ -59,7 +48,7 @@ if [ -n "${MOE_JAX_REQUIRE_GPU:-}" ]; then
       ;;
   esac
 fi
-# `bench`'s arguments where the baseline and env modes are given none
+# `bench`'s arguments where the baseline mode is given none
 default_bench_args=(--shapes B A --variants moe_jax_fp8 --iters 20)
 case "$mode" in
   suite)
@@ -179,49 +168,8 @@ case "$mode" in
       --current "$out"/current_*.json 2>&1 | tee -a "$out/baseline.log" || status=1
     exit "$status"
     ;;
-  env)
-    # one environment setting against none, in alternating `bench` runs on this machine
-    usage="usage: bash scripts/gpu_check.sh env NAME=VALUE [NAME=VALUE ...] [-- bench args]"
-    settings=()
-    while [ $# -gt 0 ] && [ "$1" != "--" ]; do
-      case "$1" in
-        [A-Za-z_]*=*) settings+=("$1") ;;
-        *) echo "env: '$1' is not NAME=VALUE; $usage" >&2; exit 2 ;;
-      esac
-      shift
-    done
-    [ "${1:-}" = "--" ] && shift
-    [ ${#settings[@]} -gt 0 ] || { echo "env: no NAME=VALUE given; $usage" >&2; exit 2; }
-    bench_args=("$@")
-    [ ${#bench_args[@]} -gt 0 ] || bench_args=("${default_bench_args[@]}")
-    # runs a command as this shell would ("without") or with the settings ("with")
-    on_side() { if [ "$1" = with ]; then shift; env "${settings[@]}" "$@"; else shift; "$@"; fi; }
-    echo "with: ${settings[*]}; bench ${bench_args[*]}" | tee "$out/env.log"
-    for side in without with; do
-      echo "PjRt client log lines $side:" | tee -a "$out/env.log"
-      on_side "$side" env TF_CPP_MIN_LOG_LEVEL=0 python3 -c \
-        'import jax; print("devices:", jax.devices())' 2>&1 | grep -i -E "client|devices:" \
-        | tee -a "$out/env.log"
-    done
-    status=0
-    for side in without with; do
-      echo "waited_overhead.py $side:" | tee -a "$out/env.log"
-      on_side "$side" python3 -m benchmarks.waited_overhead --samples 15 \
-        --size "${MOE_JAX_ENV_WAITED_SIZE:-8192}" 2>&1 | tee -a "$out/env.log" || status=1
-    done
-    for round in $(seq -w "${MOE_JAX_ENV_ROUNDS:-2}"); do
-      for side in without with; do
-        on_side "$side" python3 -m moe_jax bench "${bench_args[@]}" \
-          --json "$out/${side}_$round.json" 2>&1 | tee -a "$out/env.log" || status=1
-      done
-    done
-    python3 -m benchmarks.bench_ratio --names without with \
-      --baseline "$out"/without_*.json --current "$out"/with_*.json 2>&1 \
-      | tee -a "$out/env.log" || status=1
-    exit "$status"
-    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|baseline|env (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|baseline (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -1,6 +1,6 @@
 """Today's code against an earlier commit's: benchmarks/bench_ratio.py on `bench --json` results,
-and `gpu_check.sh baseline` end to end on the CPU (a baseline tree from scripts/baseline_tree.sh);
-`gpu_check.sh env` (an environment setting against none) the same way."""
+and `gpu_check.sh baseline` end to end on the CPU (a baseline tree from
+scripts/baseline_tree.sh)."""
 
 from __future__ import annotations
 
@@ -99,49 +99,3 @@ def test_gpu_check_baseline_without_a_tree_says_how_to_make_one(tmp_path):
     done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "baseline"], env, 60)
     assert done.returncode == 2
     assert "bash scripts/baseline_tree.sh COMMIT" in done.stderr
-
-
-def test_names_rename_the_two_sides_of_the_table(ratio, tmp_path, capsys):
-    base = [_bench_json(tmp_path / "b.json", [_row("B", "fp8", 1.0, 1.2)])]
-    cur = [_bench_json(tmp_path / "c.json", [_row("B", "fp8", 0.8, 1.2)])]
-    args = ["--names", "without", "with", "--baseline", *base, "--current", *cur]
-    assert ratio.main(args) == 0
-    header, _, row = capsys.readouterr().out.splitlines()
-    assert "| without ms (latency) | with ms (latency) | with / without per round |" in header
-    assert "baseline" not in header
-    assert row == "| B | fp8 | 1.000 (1.200) | 0.800 (1.200) | 0.800 | 0.800, 1.000 |"
-
-
-@pytest.mark.slow
-def test_gpu_check_env_times_bench_without_and_with_the_setting(tmp_path):
-    """One round at the small shape on this machine's JAX backend. The setting (JAX logging its
-    compilations) reaches the second bench run only: its jitted forward's compilation is logged
-    once, after that run starts."""
-    out = tmp_path / "out"
-    env = {"OUT": str(out), "MOE_JAX_ENV_ROUNDS": "1", "MOE_JAX_ENV_WAITED_SIZE": "64"}
-    bench = ["--shapes", "small", "--variants", "jax_ragged_dot_bf16", "--iters", "1"]
-    command = ["bash", "scripts/gpu_check.sh", "env", "JAX_LOG_COMPILES=1", "--", *bench]
-    done = script_modules.run_at_root(command, env, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["env.log", "with_1.json", "without_1.json"]
-    log = (out / "env.log").read_text()
-    assert log.startswith("with: JAX_LOG_COMPILES=1; bench --shapes small")
-    assert log.count("PjRt client log lines") == 2
-    assert log.count("| jax matmul 64^3 bf16 |") == 2  # waited_overhead.py, each side
-    runs = log.split("building inputs")
-    assert len(runs) == 3  # the log before, the run without, the run with
-    assert "Compiling jit(forward)" not in runs[1] and runs[2].count("Compiling jit(forward)") == 1
-    assert "| small | jax_ragged_dot_bf16 |" in log and "| with / without per round |" in log
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [([], "no NAME=VALUE given"), (["--iters", "1"], "'--iters' is not NAME=VALUE")],
-)
-def test_gpu_check_env_without_an_assignment_says_how_to_call_it(tmp_path, args, message):
-    done = script_modules.run_at_root(
-        ["bash", "scripts/gpu_check.sh", "env", *args], {"OUT": str(tmp_path)}, 60
-    )
-    assert done.returncode == 2
-    assert message in done.stderr and "gpu_check.sh env NAME=VALUE" in done.stderr
-    assert not (tmp_path / "env.log").exists()
