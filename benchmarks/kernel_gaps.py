@@ -15,7 +15,7 @@ the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down
     python -m benchmarks.kernel_gaps --shape A --samples 5 [--json gaps.json]
     python -m benchmarks.kernel_gaps --decode-tokens 1 --plot stages.png
     python -m benchmarks.kernel_gaps --shape B --experts mosaic_fp8   # one GEMM backend
-    python -m benchmarks.kernel_gaps --shape B --variant moe_jax_fp8_fused_act_skipping
+    python -m benchmarks.kernel_gaps --shape B --variant moe_jax_fp8_gathered
 
 A gap is device idle time: the stream waits for the host (a slow launch, a torch callback's
 Python, a synchronisation) or for an allocation. `stage_breakdown` gives each stage's times
@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--variant",
         help=(
-            "a `bench` FP8 variant (e.g. moe_jax_fp8_fused_act_skipping) instead of --experts; "
+            "a `bench` FP8 variant (e.g. moe_jax_fp8_gathered) instead of --experts; "
             "not with --decode-tokens"
         ),
     )

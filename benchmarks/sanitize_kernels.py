@@ -34,7 +34,6 @@ elements, 2 GiB or more), and DeepEP low latency's Triton row copy (needs DeepEP
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Callable
 
@@ -192,15 +191,14 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
 
     decode_fp8_128 = run_permute("xla", xq[:d], xs[:d], num_tokens=d)  # 128-row segments
 
-    def gemm_act_quant(impl, skips_padding_blocks=False):
+    def gemm_act_quant(impl):
         """GEMM1 + act(gate) * up + FP8 quantization in one Mosaic kernel on 128-row segments
-        (pairs of row blocks without a tile table, the heuristic's tiles, optionally
-        `skips_padding_blocks`); "xla" runs its pure-JAX reference."""
+        (pairs of row blocks without a tile table, the heuristic's tiles); "xla" runs its
+        pure-JAX reference."""
         lay = decode_fp8_128
         config = mosaic_fp8_gemm.act_quant_heuristic_config(
             num_rows=lay.rows.shape[0], num_experts=e, k=lay.rows.shape[1], alignment=128
         )
-        config = dataclasses.replace(config, skips_padding_blocks=skips_padding_blocks)
         fn = mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_contiguous
         if impl == "xla":
             fn = mosaic_fp8_gemm.mosaic_fp8_gemm_act_quant_reference
@@ -273,13 +271,6 @@ def kernels(shape: Shape) -> dict[str, Kernel]:
         # The same kernel with act(gate) * up and the FP8 quantization in its epilogue.
         "mosaic_gemm_act_quant": Kernel(
             gemm_act_quant, "mosaic_fp8", "mosaic_fp8_interpret", rtol=2e-2
-        ),
-        # ... taking its tiles from the list of valid row blocks (all-padding blocks skipped)
-        "mosaic_gemm_act_quant_skipping": Kernel(
-            functools.partial(gemm_act_quant, skips_padding_blocks=True),
-            "mosaic_fp8",
-            "mosaic_fp8_interpret",
-            rtol=2e-2,
         ),
         "mosaic_gemm_bf16": Kernel(
             contiguous_gemm(groups_bf16, w1_bf16, None, layouts.DEFAULT_ALIGNMENT),

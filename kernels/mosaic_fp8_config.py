@@ -2,8 +2,8 @@
 heuristics that choose them from a layout's shape.
 
 `MosaicFp8GemmConfig` holds the tunables (columns per compute warpgroup, how an expert's row
-blocks are grouped, pipeline slots, chained and overlapped pipelines, skipping all-padding row
-blocks); `heuristic_config` picks one for a GEMM from its layout's rows, experts and K, and
+blocks are grouped, pipeline slots, chained and overlapped pipelines); `heuristic_config`
+picks one for a GEMM from its layout's rows, experts and K, and
 `act_quant_heuristic_config` the fused GEMM1 + act * up + quantization kernel's. The constants
 are the kernel's fixed tiling (64-row blocks, 128-wide K blocks, one FP8 swizzle row).
 """
@@ -44,11 +44,6 @@ class MosaicFp8GemmConfig:
         waiting for each wgmma before scaling it. The pipeline then moves two K blocks per step
         (`max_concurrent_steps` counts those steps); K must be a multiple of 256 (else the tiles
         run one block per step).
-      skips_padding_blocks: on 128-row segments in groups of at most 2 (the tile order the
-        kernel computes itself, `kernels.mosaic_fp8_kernel`'s `is_dense`), take the tiles from
-        a list of the valid row blocks (`mosaic_fp8_tiles.valid_blocks`, one XLA nonzero), so
-        that a pair's all-padding second block is not computed; False computes every block of a
-        valid pair. Elsewhere the tile table skips padding blocks anyway. Opt-in (BENCHMARKS.md).
     N must be a multiple of `tile_n`.
     """
 
@@ -58,7 +53,6 @@ class MosaicFp8GemmConfig:
     max_concurrent_steps: int = 3
     is_chained: bool = False
     is_overlapped: bool = False
-    skips_padding_blocks: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128):

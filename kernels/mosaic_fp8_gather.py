@@ -504,9 +504,8 @@ def gathered_act_quant(
       x_scales: float32[T, H/128] the tokens' row-group scales.
       w1_scales: float32[E, 2I/128, H/128] block scales.
       options: as `mosaic_fp8_gemm_act_quant_contiguous` takes them, with `alignment` a multiple
-        of 128 (whole pairs of row blocks) and a `config` of groups of at most 2 blocks and no
-        `skips_padding_blocks`; with `interpret` it runs `gathered_act_quant_reference` (this
-        kernel has no interpret mode).
+        of 128 (whole pairs of row blocks) and a `config` of groups of at most 2 blocks; with
+        `interpret` it runs `gathered_act_quant_reference` (this kernel has no interpret mode).
 
     Returns:
       (q float8_e4m3fn[M, I], scales float32[M, I/128]), the scales written as [I/128, M] in
@@ -521,10 +520,9 @@ def gathered_act_quant(
     config = mosaic_fp8_gemm.check_act_quant_operands(
         rows_type, w1, expert_ids, scales_type, w1_scales, options
     )
-    if config.group_blocks > 2 or config.skips_padding_blocks:
+    if config.group_blocks > 2:
         raise ValueError(
-            f"{config}: the gathered kernel takes the in-kernel tile order (groups of 1 or 2, "
-            "no skips_padding_blocks)"
+            f"{config}: the gathered kernel takes the in-kernel tile order (groups of 1 or 2)"
         )
     num_experts, two_i, k = w1.shape
     inter = two_i // 2

@@ -80,9 +80,9 @@ def launch(
     is_dense: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Pads the rows to whole 64-row blocks, builds the tile order (`kernels.mosaic_fp8_tiles`:
-    with `is_dense`, for groups of at most 2 blocks, the count of the valid pairs' row blocks,
-    or the list of valid blocks with `config.skips_padding_blocks`; else the tile table) and
-    runs `_kernel`. The fronts in `kernels.mosaic_fp8_gemm` check the operands first.
+    with `is_dense`, for groups of at most 2 blocks, the count of the valid pairs' row blocks;
+    else the tile table) and runs `_kernel`. The fronts in `kernels.mosaic_fp8_gemm` check the
+    operands first.
 
     Args:
       x: float8_e4m3fn [M, K] rows of the contiguous layout.
@@ -112,12 +112,9 @@ def launch(
     if is_dense:
         if config.group_blocks > 2:
             raise ValueError(f"{config}: the in-kernel tile order takes groups of 1 or 2 blocks")
-        if config.skips_padding_blocks:
-            tiles = mosaic_fp8_tiles.valid_blocks(block_experts, num_experts)
-        else:
-            pair_experts = block_experts[::2]
-            is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
-            tiles = (2 * jnp.sum(is_valid, dtype=jnp.int32)).reshape(1)
+        pair_experts = block_experts[::2]
+        is_valid = (pair_experts >= 0) & (pair_experts < num_experts)
+        tiles = (2 * jnp.sum(is_valid, dtype=jnp.int32)).reshape(1)
     else:
         tiles = mosaic_fp8_tiles.tile_table(
             block_experts, num_experts, n_tiles, config.group_blocks
@@ -182,11 +179,7 @@ def _kernel(
     blocks), tiles_gmem is int32[1], the number of row blocks in the valid pairs, and tile t is
     column tile (t mod G n_tiles) // G of block G (t // G n_tiles) + t mod G, with its pair's
     expert: `mosaic_fp8_tiles.tile_table`'s order without building the table. A pair's second
-    block may be all padding; it is computed anyway (padding rows are unspecified). With
-    `config.skips_padding_blocks`, tiles_gmem is `mosaic_fp8_tiles.valid_blocks`' list (V valid
-    blocks, then V): tile t is at entry t // n_tiles, in its group of two consecutive full-pair
-    blocks (column tiles interleaved as above) or alone (column tiles in a row), so V n_tiles tiles
-    and no all-padding block.
+    block may be all padding; it is computed anyway (padding rows are unspecified).
 
     With `activation`, w_gmem is GEMM1's weight seen as [2E, I, K] (expert e's gate rows at 2e,
     its up rows at 2e + 1) and each tile is 128 gate and the same 128 up columns: compute
@@ -264,26 +257,7 @@ def _kernel(
 
         def run_tile(tile, state=None):
             """The K pipeline of one output tile (entry `tile` of `mosaic_fp8_tiles.tile_table`)."""
-            if is_dense and config.skips_padding_blocks:
-                entry = jax.lax.div(
-                    tile, jnp.int32(n_tiles)
-                )  # in `mosaic_fp8_tiles.valid_blocks`' list
-                block = tiles_gmem[entry]
-                if config.group_blocks == 1:
-                    column_tile = jax.lax.rem(tile, jnp.int32(n_tiles))
-                else:
-                    # a pair's blocks are consecutive, the first even: an odd block is a full
-                    # pair's second, an even one a full pair's first if the next entry follows
-                    # it (entry + 1 <= V <= B: inside the list)
-                    is_second = jax.lax.rem(block, 2) == 1
-                    is_pair = is_second | (tiles_gmem[entry + 1] == block + 1)
-                    offset = is_second.astype(jnp.int32)
-                    in_group = tile - (entry - offset) * n_tiles
-                    first_block = block - offset
-                    block = jax.lax.select(is_pair, first_block + jax.lax.rem(in_group, 2), block)
-                    column_tile = jax.lax.select(is_pair, jax.lax.div(in_group, 2), in_group)
-                expert = block_experts_gmem[block]
-            elif is_dense:
+            if is_dense:
                 group = config.group_blocks
                 first = jax.lax.div(tile, group * n_tiles) * group
                 in_group = jax.lax.rem(tile, group * n_tiles)
@@ -362,8 +336,7 @@ def _kernel(
 
         # This SM's tiles: sm, sm + num_sms, ... below the valid tiles' count.
         sm = jax.lax.axis_index("sm")
-        # the last entry counts tiles, or with `is_dense` row blocks (the only entry without
-        # `skips_padding_blocks`)
+        # the last entry counts tiles, or with `is_dense` row blocks (the only entry)
         num_tiles = tiles_gmem[tiles_gmem.shape[0] - 1]
         if is_dense:
             num_tiles = num_tiles * n_tiles

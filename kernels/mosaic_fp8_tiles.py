@@ -3,9 +3,8 @@
 A tile is one 64-row block of the contiguous layout (`moe_jax.layouts`) at one column tile. The
 kernel (`kernels.mosaic_fp8_kernel`) either reads its tiles from `tile_table` (an expert's row
 blocks in groups that take each column tile one after the other, padding blocks left out), or,
-on 128-row segments, computes the order itself from a count of row blocks, optionally reading
-the valid blocks from `valid_blocks` (`MosaicFp8GemmConfig.skips_padding_blocks`). All run as
-XLA ops before the kernel; ids outside [0, E) mark padding blocks.
+on 128-row segments, computes the order itself from a count of row blocks. Both run as XLA ops
+before the kernel; ids outside [0, E) mark padding blocks.
 """
 
 from __future__ import annotations
@@ -20,29 +19,6 @@ def padded_rows(num_rows: int, *, is_dense: bool) -> int:
     """Rows after padding to whole 64-row blocks (with `is_dense`, whole 128-row pairs)."""
     multiple = 2 * BLOCK_M if is_dense else BLOCK_M
     return -(-num_rows // multiple) * multiple
-
-
-def valid_blocks(block_experts: jax.Array, num_experts: int) -> jax.Array:
-    """The valid row blocks in layout order, for `MosaicFp8GemmConfig.skips_padding_blocks`.
-
-    Args:
-      block_experts: int32[B] the expert of each 64-row block (of its first row; padding blocks
-        hold an id outside [0, E)).
-      num_experts: E.
-
-    Returns:
-      int32[B + 1]: entries [0, V) the indices of the V valid blocks in increasing order, entry
-      B the count V (entries from V to B - 1 are 0).
-
-    Example: experts of 2, 1 and 3 blocks on 128-row segments (0 0 | 1 - | 2 2 | 2 - | - -):
-      >>> valid_blocks(jnp.array([0, 0, 1, -1, 2, 2, 2, -1, -1, -1]), 3).tolist()
-      [0, 1, 2, 4, 5, 6, 0, 0, 0, 0, 6]
-    """
-    num_blocks = block_experts.shape[0]
-    is_valid = (block_experts >= 0) & (block_experts < num_experts)
-    (blocks,) = jnp.nonzero(is_valid, size=num_blocks, fill_value=0)
-    count = jnp.sum(is_valid, dtype=jnp.int32)
-    return jnp.append(blocks.astype(jnp.int32), count)
 
 
 def tile_table(block_experts: jax.Array, num_experts: int, n_tiles: int, group: int) -> jax.Array:

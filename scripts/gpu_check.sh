@@ -127,7 +127,7 @@ case "$mode" in
   prefill)
     status=0
     python3 -m moe_jax bench --shapes B A --variants moe_jax_fp8 moe_jax_fp8_unfused \
-      moe_jax_fp8_fused_act moe_jax_fp8_fused_act_skipping moe_jax_fp8_gathered --iters 20 \
+      moe_jax_fp8_fused_act moe_jax_fp8_gathered --iters 20 \
       --json "$out/prefill_bench.json" 2>&1 | tee "$out/prefill.log" || status=1
     for shape in B A; do
       for experts in deep_gemm deep_gemm+mosaic_fp8; do

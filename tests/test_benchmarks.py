@@ -238,7 +238,7 @@ def test_kernel_gaps_refuses_an_unknown_experts_name_before_anything_runs(capsys
 def test_kernel_gaps_refuses_a_bad_variant_before_anything_runs(capsys):
     assert kernel_gaps.main(["--shape", "small", "--variant", "moe_jax_fp9"]) == 2
     err = capsys.readouterr().err
-    assert "unknown --variant 'moe_jax_fp9'" in err and "'moe_jax_fp8_fused_act_skipping'" in err
+    assert "unknown --variant 'moe_jax_fp9'" in err and "'moe_jax_fp8_fused_act'" in err
     argv = ["--shape", "small", "--variant", "moe_jax_fp8", "--experts", "deep_gemm"]
     assert kernel_gaps.main(argv) == 2
     assert "--variant takes neither" in capsys.readouterr().err
@@ -250,18 +250,18 @@ def test_kernel_gaps_builds_a_bench_variant_or_says_why_not():
     out = fn(*args)
     assert out.shape == args[0].shape and bool(jax.numpy.isfinite(out.astype("float32")).all())
     if jax.default_backend() != "gpu":
-        with pytest.raises(RuntimeError, match="moe_jax_fp8_fused_act_skipping: needs an NVIDIA"):
-            kernel_gaps.forward_fn("small", variant="moe_jax_fp8_fused_act_skipping")
+        with pytest.raises(RuntimeError, match="moe_jax_fp8_fused_act: needs an NVIDIA"):
+            kernel_gaps.forward_fn("small", variant="moe_jax_fp8_fused_act")
 
 
 @pytest.mark.gpu
 def test_kernel_gaps_profiles_a_bench_variant(tmp_path):
     path = tmp_path / "gaps.json"
-    argv = ["--shape", "small", "--variant", "moe_jax_fp8_fused_act_skipping"]
+    argv = ["--shape", "small", "--variant", "moe_jax_fp8_fused_act"]
     argv += ["--samples", "1", "--burst", "2", "--json", str(path)]
     assert kernel_gaps.main(argv) == 0
     summary = json.loads(path.read_text())
-    assert summary["shape"] == "shape small, variant moe_jax_fp8_fused_act_skipping"
+    assert summary["shape"] == "shape small, variant moe_jax_fp8_fused_act"
     assert any("mosaic" in k["name"] for k in summary["kernels"])
 
 

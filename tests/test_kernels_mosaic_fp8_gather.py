@@ -190,11 +190,6 @@ def _gathered_call(**changes):
         (dict(x_tokens=jnp.zeros((8, 128), jnp.bfloat16)), TypeError, "float8_e4m3fn"),
         (dict(activation="relu"), ValueError, "relu"),
         (dict(config=mg.MosaicFp8GemmConfig(group_blocks=4)), ValueError, "groups of 1 or 2"),
-        (
-            dict(config=mg.MosaicFp8GemmConfig(skips_padding_blocks=True)),
-            ValueError,
-            "skips_padding_blocks",
-        ),
     ],
 )
 def test_gathered_refuses_with_a_reason(changes, error, match):

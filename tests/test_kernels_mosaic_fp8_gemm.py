@@ -483,9 +483,6 @@ def _unfused(lay, w, w_scales, *, config, interpret, alignment):
 
 PAIRS = mg.MosaicFp8GemmConfig(group_blocks=2, is_chained=True, max_concurrent_steps=2)
 OVERLAPPED_PAIRS = FUSED_CONFIGS[1].values[0]
-# tiles from the list of valid blocks: a pair's all-padding second block is not computed
-PAIRS_SKIPPING = dataclasses.replace(PAIRS, skips_padding_blocks=True)
-SINGLES_SKIPPING = mg.MosaicFp8GemmConfig(skips_padding_blocks=True)
 
 
 @pytest.mark.parametrize("interpret", IMPLS)
@@ -505,10 +502,6 @@ SINGLES_SKIPPING = mg.MosaicFp8GemmConfig(skips_padding_blocks=True)
             FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, id=f"table_groups_of_4-{PROBLEMS[2]}"
         ),
         pytest.param(None, PROBLEMS[1], 128, id=f"dense_heuristic-{PROBLEMS[1]}"),
-    ]
-    + [pytest.param(PAIRS_SKIPPING, p, 128, id=f"dense_pairs_skipping-{p}") for p in PROBLEMS]
-    + [
-        pytest.param(SINGLES_SKIPPING, PROBLEMS[2], 128, id=f"dense_singles_skipping-{PROBLEMS[2]}")
     ],
 )
 def test_act_quant_matches_float64_loop_and_the_unfused_kernels(
@@ -640,10 +633,10 @@ def test_fused_moe_with_the_fused_first_gemm(gemm):
 
 def test_fused_first_gemm_by_object_takes_its_config():
     """`ContiguousExperts(fused_act_quant=MosaicFp8FusedGemm1(config))`: the fused GEMM1 with the
-    tiles (here skipping all-padding row blocks on 128-row segments) in the layer, within one FP8
+    tiles (here chained pairs of row blocks on 128-row segments) in the layer, within one FP8
     step of the requantization of the XLA experts (interpret mode)."""
     args, scales = _fp8_layer(oracles.seed("fused_first_gemm_object"))
-    fused = mg.MosaicFp8FusedGemm1(PAIRS_SKIPPING, interpret=True)
+    fused = mg.MosaicFp8FusedGemm1(PAIRS, interpret=True)
     experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant=fused)
     got = np.asarray(fused_moe(*args, experts=experts, **scales), np.float64)
     want = np.asarray(fused_moe(*args, experts="xla", **scales), np.float64)
@@ -738,41 +731,6 @@ def test_act_quant_on_128_row_segments_builds_no_tile_table(monkeypatch):
     _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
     with pytest.raises(AssertionError, match="tile_table called"):
         _run_act_quant(lay, w, w_scales, config=PAIRS, interpret=True, alignment=64)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_valid_blocks_on_128_row_layouts(seed):
-    """Random routings permuted to 128-row segments (ids outside [0, E) included): the valid
-    64-row blocks in order, none of the all-padding ones, the count last."""
-    rng = np.random.default_rng(oracles.seed("valid_blocks", seed))
-    num_experts = int(rng.integers(1, 9))
-    num_tokens = int(rng.integers(1, 400))
-    ids = rng.integers(-1, num_experts + 1, size=(num_tokens, 2)).astype(np.int32)
-    lay = oracles.permute(np.zeros((num_tokens, 128), np.float32), ids, num_experts, alignment=128)
-    block_experts = np.asarray(lay["expert_ids"], np.int32)[:: mg.BLOCK_M]
-    valid = np.asarray(lay["expert_ids"]).reshape(-1, mg.BLOCK_M) >= 0
-    want = [b for b in range(len(block_experts)) if valid[b].any()]
-    got = np.asarray(mosaic_fp8_tiles.valid_blocks(jnp.asarray(block_experts), num_experts))
-    count = int(got[-1])
-    assert got.shape == (len(block_experts) + 1,)
-    assert count == len(want) and got[:count].tolist() == want
-    assert not np.any(got[count:-1])
-
-
-@pytest.mark.parametrize("config", [PAIRS_SKIPPING, SINGLES_SKIPPING], ids=["pairs", "singles"])
-def test_skipping_with_an_odd_count_of_blocks(config):
-    """Expert 0 with 100 rows (a full pair), expert 1 with 30 (a single block, its pair's second
-    all padding): three valid blocks, the single one last and alone in its group (interpret
-    mode, 128-row segments)."""
-    problem = RoutedProblem("odd_count_of_blocks", 100, 2, 2, 256, 256)
-    rng = np.random.default_rng(oracles.seed("skipping_odd_count"))
-    x, w, x_scales, w_scales, _ = _operands(problem, rng)
-    ids = np.stack([np.zeros(100), np.where(np.arange(100) < 30, 1, -1)], axis=1).astype(np.int32)
-    lay = oracles.permute(x, ids, problem.num_experts, alignment=128, x_scales=x_scales)
-    block_experts = jnp.asarray(np.asarray(lay["expert_ids"], np.int32)[:: mg.BLOCK_M])
-    assert mosaic_fp8_tiles.valid_blocks(block_experts, problem.num_experts).tolist()[-1] == 3
-    q, s = _run_act_quant(lay, w, w_scales, config=config, interpret=True, alignment=128)
-    _check_act_quant(q, s, x, w, x_scales, w_scales, lay)
 
 
 def test_act_quant_counts_its_epilogue_in_the_shared_memory_check():

@@ -51,7 +51,6 @@ def test_the_driver_covers_every_pallas_kernel_family(driver):
         "grouped_gemm_fp8_masked",
         "mosaic_gemm_fp8",
         "mosaic_gemm_act_quant",
-        "mosaic_gemm_act_quant_skipping",
         "mosaic_gemm_bf16",
         "mosaic_wgrad_bf16",
         "pallas_wgrad_bf16",

@@ -29,10 +29,6 @@ Variants (each runs where it can; the table says why one did not):
   moe_jax_fp8_fused_act_graph
                         both: the fused GEMM1 and a GEMM2 XLA may capture (only when named;
                         the XLA_FLAGS above apply)
-  moe_jax_fp8_fused_act_skipping
-                        the fused GEMM1 taking its tiles from the list of valid row blocks
-                        (`MosaicFp8GemmConfig(skips_padding_blocks=True)` with the tiles its
-                        heuristic picks for the layout; only when named)
   moe_jax_fp8_gathered  the fused GEMM1 reading its rows from the tokens, no permuted copy
                         (`ContiguousExperts(fused_act_quant="mosaic_fp8_gathered")`, 128-row
                         segments; Hopper; only when named)
@@ -49,7 +45,7 @@ from typing import TextIO
 import jax
 import jax.numpy as jnp
 
-from moe_jax import grouped_gemm, layouts, quant
+from moe_jax import grouped_gemm, quant
 from moe_jax.cli import gpu_clocks, layer_report
 from moe_jax.cli.timing import rel_error, time_jax
 from moe_jax.contiguous_experts import ContiguousExperts
@@ -102,14 +98,10 @@ class Fp8Variant:
         fused) or a fused GEMM1 backend (`ContiguousExperts(fused_act_quant=...)` with 128-row
         segments).
       is_graph: DeepGEMM calls XLA may capture into a CUDA graph (`_graph_experts`).
-      fused_config: `MosaicFp8GemmConfig` fields changed from the fused GEMM1's heuristic
-        config for the layer's layout, as (name, value) pairs (`_fused_gemm`); () keeps the
-        backend's own choice per call.
     """
 
     fused_act_quant: str | None = "auto"
     is_graph: bool = False
-    fused_config: tuple[tuple[str, object], ...] = ()
 
 
 FP8_VARIANTS = {
@@ -118,9 +110,6 @@ FP8_VARIANTS = {
     "moe_jax_fp8_graph": Fp8Variant(fused_act_quant=None, is_graph=True),
     "moe_jax_fp8_fused_act": Fp8Variant(fused_act_quant="mosaic_fp8"),
     "moe_jax_fp8_fused_act_graph": Fp8Variant(fused_act_quant="mosaic_fp8", is_graph=True),
-    "moe_jax_fp8_fused_act_skipping": Fp8Variant(
-        fused_act_quant="mosaic_fp8", fused_config=(("skips_padding_blocks", True),)
-    ),
     "moe_jax_fp8_gathered": Fp8Variant(fused_act_quant="mosaic_fp8_gathered"),
 }
 VARIANTS = (
@@ -234,8 +223,6 @@ def jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
         experts = "auto"
         if fused not in (None, "auto") and jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
-        if variant.fused_config:
-            fused = _fused_gemm(layer, dict(variant.fused_config))
         if variant.is_graph:
             experts = _graph_experts(layer, fused_act_quant=fused)
             if isinstance(experts, str):
@@ -259,22 +246,6 @@ def jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
             )
         ), fp8_args
     raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
-
-
-def _fused_gemm(layer: Layer, changes: dict[str, object]) -> grouped_gemm.GroupedGemm:
-    """The fused GEMM1 backend with the config its heuristic picks for this layer's layout of
-    128-row segments, `changes` (`MosaicFp8GemmConfig` fields) applied."""
-    from moe_jax.kernels import mosaic_fp8_gemm
-
-    num_tokens, topk = layer.topk_ids.shape
-    num_experts, _, hidden = layer.w1q.shape
-    config = mosaic_fp8_gemm.act_quant_heuristic_config(
-        num_rows=layouts.contiguous_num_rows(num_tokens, topk, num_experts, 128),
-        num_experts=num_experts,
-        k=hidden,
-        alignment=128,
-    )
-    return mosaic_fp8_gemm.MosaicFp8Gemm(dataclasses.replace(config, **changes))
 
 
 def _graph_experts(
