@@ -12,15 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import jax
 import pytest
 
 
+def runs_on_the_cpu_device(name: str) -> bool:
+    """An interpret-mode twin, or a name built of XLA parts only ("xla", "xla_masked",
+    "xla+xla_gathered"): on a GPU host, a `cpu_numerics` or `mosaic_interpret` test runs it on the
+    CPU device (conftest.py). Every other name is a GPU implementation (or "auto")."""
+    parts = name.removesuffix("_masked").split("+")
+    return "interpret" in name or all(part in ("xla", "xla_gathered") for part in parts)
+
+
 def _marks(name: str) -> list:
+    marks = []
     # A Mosaic GPU kernel in interpret mode runs its simulated barriers as host callbacks: on a
     # GPU host such a test runs on the CPU device (conftest.py's `mosaic_interpret`).
     if "mosaic" in name and "interpret" in name:
-        return [pytest.mark.mosaic_interpret]
-    return []
+        marks.append(pytest.mark.mosaic_interpret)
+    # On a GPU host a GPU implementation keeps the GPU device in a `cpu_numerics` module (the
+    # `gpu` marker, conftest.py); elsewhere it is left unmarked, to skip with its own reason.
+    if not runs_on_the_cpu_device(name) and jax.default_backend() == "gpu":
+        marks.append(pytest.mark.gpu)
+    return marks
 
 
 def name_params(names: Iterable[str]) -> list:
