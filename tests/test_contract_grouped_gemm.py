@@ -33,12 +33,13 @@ DTYPES = {"fp8": "float8_e4m3fn", "bfloat16": "bfloat16", "float32": "float32"}
 
 
 def _tol(dtype: str, out_dtype, got) -> dict:
-    """The tolerance of `got`: bf16 operands may give a bf16 result cast to out_dtype (DeepGEMM's
-    and torch's D), held to the bf16 rounding; every other float32 result to float32's."""
+    """The tolerance of `got`: a backend may compute a bf16 result and cast it to out_dtype
+    (DeepGEMM's and torch's D; torch's GPU GEMM on FP8 operands dequantized to bf16), held to the
+    bf16 rounding; every other float32 result to float32's (FP8: the FP8 dot's)."""
+    if dtype != "float32" and np.array_equal(got, oracles.round_to(got, oracles.BF16)):
+        return TOL[jnp.bfloat16]
     if dtype == "fp8" and out_dtype == jnp.float32:
         return FP8_DOT_TOL
-    if dtype == "bfloat16" and np.array_equal(got, oracles.round_to(got, oracles.BF16)):
-        return TOL[jnp.bfloat16]
     return TOL[out_dtype]
 
 
