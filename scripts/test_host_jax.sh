@@ -13,7 +13,8 @@
 # kernels, the layer or the CLI, which still run here (as the gathered GEMM1's lowering test,
 # which needs jax >= 0.11 and so runs only here, d4b881c).
 # The notebooks and README run the same public calls the suite tests (scripts/test.sh runs them
-# under the pinned JAX); the others test shell scripts and pytest plumbing.
+# under the pinned JAX); the others test shell scripts and pytest plumbing. And a Mosaic kernel's
+# interpreted config grid runs each config once (tests/host_jax_subset.py says why).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -55,6 +56,8 @@ if [ -z "${MOE_JAX_HOST_JAX_ALL:-}" ]; then
     test_test_log test_pytest_workers; do
     not_jax_release+=("--ignore=tests/$module.py")
   done
+  not_jax_release+=(-p host_jax_subset)
+  export PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"  # where the plugin is
 fi
 python -m pytest ${pytest_workers[@]+"${pytest_workers[@]}"} \
   ${not_jax_release[@]+"${not_jax_release[@]}"} "$@"
