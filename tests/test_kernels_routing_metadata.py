@@ -156,14 +156,6 @@ def test_reference_equals_the_oracle_on_both_sides_of_the_pairwise_bound(num_tok
     _assert_equal(_run("reference", jnp.asarray(local, jnp.int32), problem), want, problem)
 
 
-def test_heuristic_config_shapes():
-    # Layer shapes A and B: 256 chunks of 2 / 4 steps; decode T=1: one chunk of one step.
-    assert heuristic_config(4096 * 8, 32) == RoutingMetadataConfig(block_p=64, block_c=128)
-    assert heuristic_config(8192 * 8, 128) == RoutingMetadataConfig(block_p=64, block_c=256)
-    assert heuristic_config(8, 256) == RoutingMetadataConfig(block_p=16, block_c=16)
-    assert heuristic_config(1 << 20, 256).block_p == 32  # one-hot steps stay <= 8K lanes
-
-
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 def test_routing_metadata_rejects_bad_inputs(impl):
     """The front checks once, whichever implementation computes."""
