@@ -258,9 +258,9 @@ class DeepEPLowLatency(PrepareFinalize):
         weights = jnp.zeros((p.num_tokens, p.num_topk), jnp.float32)
 
         def round_trip(x, ids, weights):
-            got = self._dispatch(x, ids, phase="warm_up")
+            got = self.dispatch(x, ids, phase="warm_up")
             y = jnp.zeros((p.num_local_experts, p.num_ranks * p.num_tokens, p.hidden))
-            return self._combine(y.astype(jnp.bfloat16), ids, weights, got, is_capturable=False)
+            return self.combine(y.astype(jnp.bfloat16), ids, weights, got, phase="warm_up")
 
         jax.block_until_ready(jax.jit(round_trip)(x, ids, weights))
 
@@ -297,16 +297,17 @@ class DeepEPLowLatency(PrepareFinalize):
         combined = self.combine(expert_output, prepared.topk_ids, prepared.topk_weights, prepared)
         return combined.astype(out_dtype)
 
-    def dispatch(self, x: jax.Array, topk_ids: jax.Array) -> LLDispatched:
-        """x bf16[T <= T_max, H], topk_ids int[T, k] global -> `LLDispatched`."""
-        if self.command_buffer_compatible and not self.capture.is_warm:
+    def dispatch(
+        self, x: jax.Array, topk_ids: jax.Array, *, phase: str = "dispatch"
+    ) -> LLDispatched:
+        """x bf16[T <= T_max, H], topk_ids int[T, k] global -> `LLDispatched`. `warm_up` alone
+        passes phase="warm_up" (eager, never captured)."""
+        is_capturable = self.command_buffer_compatible and phase == "dispatch"
+        if is_capturable and not self.capture.is_warm:
             raise ValueError(
                 "DeepEPLowLatency(command_buffer_compatible=True) needs ll.warm_up() once, "
                 "outside jax.jit and on every rank, before its first traced dispatch"
             )
-        return self._dispatch(x, topk_ids, phase="dispatch")
-
-    def _dispatch(self, x: jax.Array, topk_ids: jax.Array, *, phase: str) -> LLDispatched:
         p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
         if x.shape[0] > p.num_tokens or x.shape[1] != p.hidden:
             raise ValueError(f"{x.shape=} but the problem has T_max={p.num_tokens}, H={p.hidden}")
@@ -329,7 +330,6 @@ class DeepEPLowLatency(PrepareFinalize):
             self.recv_copy, OpProblem(platform=current_platform(), dtype=jnp.dtype(x.dtype).name)
         )
         ids_from_words = topk_idx_from_words(torch, deep_ep)
-        is_capturable = self.command_buffer_compatible and phase == "dispatch"
         capture = self.capture
 
         def dispatch(out, x_t, words_t):
@@ -366,18 +366,21 @@ class DeepEPLowLatency(PrepareFinalize):
         )
 
     def combine(
-        self, y: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, dispatched: LLDispatched
+        self,
+        y: jax.Array,
+        topk_ids: jax.Array,
+        topk_weights: jax.Array,
+        dispatched: LLDispatched,
+        *,
+        phase: str = "combine",
     ) -> jax.Array:
         """y bf16[E_local, R * T_max, H] (unweighted expert outputs; rows past the counts are
         not read) -> bf16[T, H], the weighted sum over each token's experts. `dispatched`: the
         dispatch's `LLDispatched` or `LLPreparedTokens` (only its handle is read). DeepEP writes the
         result straight into XLA's output buffer (into a temporary with
-        `command_buffer_compatible`: `deep_ep_ll_graph.combine_output`)."""
-        return self._combine(
-            y, topk_ids, topk_weights, dispatched, is_capturable=self.command_buffer_compatible
-        )
-
-    def _combine(self, y, topk_ids, topk_weights, dispatched, *, is_capturable: bool):
+        `command_buffer_compatible`: `deep_ep_ll_graph.combine_output`). `warm_up` alone passes
+        phase="warm_up" (eager, never captured)."""
+        is_capturable = self.command_buffer_compatible and phase == "combine"
         p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
         ids_from_words = topk_idx_from_words(torch, deep_ep)
         capture = self.capture

@@ -385,31 +385,6 @@ def _check_config(config: GroupedGemmConfig, *, n: int, k: int, alignment: int, 
         raise ValueError(f"{config.is_fp8_wgmma=} but the operands are not FP8 with block scales")
 
 
-def grouped_gemm_contiguous_reference(
-    x: jax.Array,
-    w: jax.Array,
-    expert_ids: jax.Array,
-    *,
-    x_scales: jax.Array | None = None,
-    w_scales: jax.Array | None = None,
-    alignment: int,
-    out_dtype: jnp.dtype = jnp.bfloat16,
-) -> jax.Array:
-    """Pure-JAX `grouped_gemm_contiguous`: dequantized float32 operands, one expert per row.
-
-    Gathers each row's expert weights ([M, N, K] float32), so keep it to test sizes. Padding rows
-    are zero. `alignment` is checked as in the kernel and otherwise unused (rows are independent).
-    """
-    check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
-    a = grouped_gemm.dequant_rows(x, x_scales).astype(jnp.float32)
-    b = grouped_gemm.dequant_weights(w, w_scales).astype(jnp.float32)
-    ids = layouts.ids_as_int32(expert_ids)
-    is_valid = (ids >= 0) & (ids < w.shape[0])
-    per_row = b[jnp.clip(ids, 0, w.shape[0] - 1)]
-    y = jnp.einsum("mk,mnk->mn", a, per_row, precision=jax.lax.Precision.HIGHEST)
-    return jnp.where(is_valid[:, None], y, 0.0).astype(out_dtype)
-
-
 class PallasGemm(grouped_gemm.GroupedGemm):
     """GEMM backend running `grouped_gemm_contiguous` (compiled, or in interpret mode).
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
+from moe_jax import grouped_gemm, layouts
 from moe_jax.grouped_gemm import GemmProblem
+from moe_jax.kernels import grouped_gemm as gg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +90,29 @@ def routed_operands(problem: RoutedProblem, rng):
         return x, w, x_scales, w_scales, ids.astype(np.int32)
     dtype = oracles.BF16 if problem.dtype == "bfloat16" else np.float32
     return x.astype(dtype), w.astype(dtype), None, None, ids.astype(np.int32)
+
+
+def grouped_gemm_contiguous_reference(
+    x: jax.Array,
+    w: jax.Array,
+    expert_ids: jax.Array,
+    *,
+    x_scales: jax.Array | None = None,
+    w_scales: jax.Array | None = None,
+    alignment: int,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+) -> jax.Array:
+    """Pure-JAX `grouped_gemm_contiguous` (`moe_jax.kernels.grouped_gemm`): dequantized float32
+    operands, one expert per row.
+
+    Gathers each row's expert weights ([M, N, K] float32), so keep it to test sizes. Padding rows
+    are zero. `alignment` is checked as in the kernel and otherwise unused (rows are independent).
+    """
+    gg.check_operands(x, w, expert_ids, x_scales, w_scales, alignment)
+    a = grouped_gemm.dequant_rows(x, x_scales).astype(jnp.float32)
+    b = grouped_gemm.dequant_weights(w, w_scales).astype(jnp.float32)
+    ids = layouts.ids_as_int32(expert_ids)
+    is_valid = (ids >= 0) & (ids < w.shape[0])
+    per_row = b[jnp.clip(ids, 0, w.shape[0] - 1)]
+    y = jnp.einsum("mk,mnk->mn", a, per_row, precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(is_valid[:, None], y, 0.0).astype(out_dtype)

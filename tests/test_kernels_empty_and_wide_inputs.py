@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gemm_problems import grouped_gemm_contiguous_reference
 
 from moe_jax import act_quant as act_quant_front
 from moe_jax import grouped_gemm, layouts
@@ -88,7 +89,7 @@ def test_grouped_gemm_treats_wide_out_of_range_ids_as_padding():
         x = jnp.ones((16, 32), jnp.bfloat16)
         w = jnp.ones((2, 16, 32), jnp.bfloat16)
         kwargs = dict(alignment=16, out_dtype=jnp.float32)
-        want = gg.grouped_gemm_contiguous_reference(x, w, ids, **kwargs)
+        want = grouped_gemm_contiguous_reference(x, w, ids, **kwargs)
         got = gg.grouped_gemm_contiguous(x, w, ids, **kwargs, interpret=True)
         assert np.asarray(want)[3].tolist() == [0.0] * 16
         np.testing.assert_array_equal(np.asarray(got)[:3], np.asarray(want)[:3])
