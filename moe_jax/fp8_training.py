@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import act_quant, grouped_gemm, grouped_gemm_backward, quant
-from moe_jax.registry import AUTO, current_platform
+from moe_jax.registry import AUTO
 
 BLOCK = 128
 
@@ -89,17 +89,8 @@ class _Statics:
 
 def fp8_problem(x: jax.Array, w: jax.Array, *, alignment: int | None) -> grouped_gemm.GemmProblem:
     """The FP8 x FP8 contiguous `GemmProblem` that the recipe's forward GEMM runs."""
-    return grouped_gemm.GemmProblem(
-        layout="contiguous",
-        n=w.shape[1],
-        k=w.shape[2],
-        num_experts=w.shape[0],
-        num_pairs=x.shape[0],
-        x_dtype=jnp.dtype(quant.FP8_DTYPE).name,
-        w_dtype=jnp.dtype(quant.FP8_DTYPE).name,
-        platform=current_platform(),
-        alignment=alignment,
-    )
+    fp8 = jnp.dtype(quant.FP8_DTYPE).name
+    return grouped_gemm.GemmProblem.of(x, w, x_dtype=fp8, w_dtype=fp8, alignment=alignment)
 
 
 def grouped_gemm_contiguous(

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.act_quant import act_and_quant_reference, without_gradient
-from moe_jax.registry import AUTO, Registry, current_platform
+from moe_jax.registry import AUTO, Registry
 
 GROUP_SIZE = quant.DEFAULT_BLOCK_SHAPE[1]  # columns per scale of the output (GEMM2's K block)
 
@@ -144,17 +144,7 @@ def fused_gemm1(
       (float8_e4m3fn[M, I], float32[M, I/128]); padding rows unspecified.
     """
     problem = FusedGemm1Problem(
-        gemm=grouped_gemm.GemmProblem(
-            layout="contiguous",
-            n=w1.shape[1],
-            k=w1.shape[2],
-            num_experts=w1.shape[0],
-            num_pairs=expert_ids.shape[0],
-            x_dtype=jnp.dtype(x.dtype).name,
-            w_dtype=jnp.dtype(w1.dtype).name,
-            platform=current_platform(),
-            alignment=alignment,
-        ),
+        gemm=grouped_gemm.GemmProblem.of(x, w1, num_pairs=expert_ids.shape[0], alignment=alignment),
         activation=activation,
         group_size=GROUP_SIZE,
     )

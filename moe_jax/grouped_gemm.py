@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import layouts, quant
-from moe_jax.registry import Registry
+from moe_jax.registry import Registry, current_platform
 
 LAYOUTS = ("contiguous", "masked")
 
@@ -64,6 +64,24 @@ class GemmProblem:
     @property
     def is_fp8(self) -> bool:
         return self.w_dtype == "float8_e4m3fn"
+
+    @classmethod
+    def of(cls, x, w, *, layout: str = "contiguous", **fields) -> GemmProblem:
+        """The problem of rows x ([M, K]; masked: [E, max_m, K]) times w [E, N, K] on this
+        platform; `fields` (num_pairs, dtype names, alignment) replace what the arrays give."""
+        is_masked = layout == "masked"
+        given = dict(
+            layout=layout,
+            n=w.shape[1],
+            k=w.shape[2],
+            num_experts=w.shape[0],
+            num_pairs=x.shape[0] * x.shape[1] if is_masked else x.shape[-2],
+            x_dtype=jnp.dtype(x.dtype).name,
+            w_dtype=jnp.dtype(w.dtype).name,
+            platform=current_platform(),
+            max_m=x.shape[1] if is_masked else None,
+        )
+        return cls(**(given | fields))
 
 
 class GroupedGemm(abc.ABC):

@@ -253,21 +253,6 @@ class GemmStatics:
     expected_m: int | None = None
 
 
-def _gemm_problem(x: jax.Array, w: jax.Array, statics: GemmStatics, layout: str):
-    return grouped_gemm.GemmProblem(
-        layout=layout,
-        n=w.shape[1],
-        k=w.shape[2],
-        num_experts=w.shape[0],
-        num_pairs=x.shape[-2] if layout == "contiguous" else x.shape[0] * x.shape[1],
-        x_dtype=jnp.dtype(x.dtype).name,
-        w_dtype=jnp.dtype(w.dtype).name,
-        platform=current_platform(),
-        alignment=statics.alignment,
-        max_m=x.shape[1] if layout == "masked" else None,
-    )
-
-
 def _is_fp8(*arrays: jax.Array | None) -> bool:
     return any(a is not None and a.dtype == quant.FP8_DTYPE for a in arrays)
 
@@ -321,7 +306,7 @@ def _contiguous_fwd(statics, x, w, expert_ids, expert_ends):
 def _contiguous_bwd(statics, residuals, g):
     x, w, expert_ids, expert_ends = residuals
     g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(x.dtype)
-    problem = transposed_problem(_gemm_problem(x, w, statics, "contiguous"))
+    problem = transposed_problem(grouped_gemm.GemmProblem.of(x, w, alignment=statics.alignment))
     dgrad = select_dgrad(statics.backend, problem)
     dx = dgrad.contiguous_dgrad(
         g, w, expert_ids, expert_ends, alignment=statics.alignment, out_dtype=x.dtype
@@ -387,7 +372,9 @@ def _masked_bwd(statics, residuals, g):
     x, w, counts = residuals
     is_valid = (jnp.arange(x.shape[1])[None, :] < counts[:, None])[..., None]
     g = jnp.where(is_valid, g, jnp.zeros((), g.dtype)).astype(x.dtype)
-    problem = transposed_problem(_gemm_problem(x, w, statics, "masked"))
+    problem = transposed_problem(
+        grouped_gemm.GemmProblem.of(x, w, layout="masked", alignment=statics.alignment)
+    )
     dgrad = select_dgrad(statics.backend, problem)
     dx = dgrad.masked(
         g, jnp.swapaxes(w, 1, 2), counts, expected_m=statics.expected_m, out_dtype=x.dtype
