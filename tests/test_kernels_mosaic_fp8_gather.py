@@ -122,16 +122,25 @@ def _gathered(problem, *, config, interpret, num_sms=None, fn=gather.gathered_ac
     return (q, s), (x, w, x_scales, w_scales, lay)
 
 
-@pytest.mark.parametrize("interpret", IMPLS)
-@pytest.mark.parametrize(
-    ("config", "num_sms"),
-    [
-        pytest.param(None, None, id="heuristic"),
-        pytest.param(PAIRS, 3, id="pairs_3_sms"),
-        pytest.param(OVERLAPPED_PAIRS, 5, id="overlapped_pairs_5_sms"),
-    ],
-)
-@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def _gathered_cases():
+    """Compiled (on a GPU), each config on each problem. Interpreted (30-60 s a case on a 2-core
+    CPU), each config once and each problem once: the heuristic on one token and empty experts,
+    pairs over 3 programs on three blocks per expert (several tiles a program), overlapped
+    pairs on ids outside [0, E); tests/test_contract_fused_gemm1.py runs the interpreted
+    gathered kernel on more awkward problems, with its VJP."""
+    configs = [("heuristic", None, None), ("pairs_3_sms", PAIRS, 3)]
+    configs.append(("overlapped_pairs_5_sms", OVERLAPPED_PAIRS, 5))
+    interpreted = {"heuristic": PROBLEMS[1], "pairs_3_sms": PROBLEMS[2]}
+    interpreted["overlapped_pairs_5_sms"] = PROBLEMS[0]
+    for name, config, num_sms in configs:
+        for problem in PROBLEMS:
+            case = (config, num_sms, problem)
+            if interpreted[name] is problem:
+                yield pytest.param(True, *case, id=f"{problem}-{name}-interpret")
+            yield pytest.param(False, *case, id=f"{problem}-{name}-compiled", marks=pytest.mark.gpu)
+
+
+@pytest.mark.parametrize(("interpret", "config", "num_sms", "problem"), list(_gathered_cases()))
 def test_gathered_matches_float64_loop_and_the_contiguous_kernel(
     interpret, config, num_sms, problem
 ):
@@ -377,23 +386,28 @@ def test_the_rowless_layout_needs_the_tokens():
         experts.first_gemm_act_quant(lay, weights, plan=plan, call=call)
 
 
-@pytest.mark.parametrize("gemm", ["xla", pytest.param("deep_gemm", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("case", ["layer", "one_token", "expert_map_holes"])
-def test_fused_moe_with_the_gathered_first_gemm(gemm, case):
+@pytest.mark.parametrize(
+    ("gemm", "num_tokens"),
+    [
+        ("xla", 70),
+        pytest.param("deep_gemm", 70, marks=pytest.mark.gpu),
+        pytest.param("deep_gemm", 1, marks=pytest.mark.gpu),
+    ],
+)
+def test_fused_moe_with_the_gathered_first_gemm(gemm, num_tokens):
     """The layer with the gathered GEMM1 (128-row segments) equals the layer with the
     contiguous fused GEMM1 bit for bit (the same codes into the same GEMM2 and weighted sum):
-    ids outside [0, E), an expert twice in a row, negative router weights; one token; global
-    experts held elsewhere (`expert_map`)."""
+    ids outside [0, E), an expert twice in a row, negative router weights and global experts
+    held elsewhere (`expert_map`) in one call. Interpreted, one token is the experts contract's
+    (tests/test_contract_experts.py, "xla+mosaic_fp8_gathered_interpret" at T=1)."""
     suffix = "_interpret" if gemm == "xla" else ""  # GEMM1 in interpret mode beside XLA's GEMM2
-    args, scales = _fp8_layer(oracles.seed("gathered_layer", gemm, case))
+    args, scales = _fp8_layer(oracles.seed("gathered_layer", gemm, num_tokens))
     x, w1, w2, weights, ids = args
-    kwargs = dict(scales)
-    if case == "one_token":
-        x, weights, ids = x[:1], weights[:1], ids[:1]
-    if case == "expert_map_holes":  # global experts 0-7, the even ones held here as 0-3
-        kwargs["expert_map"] = jnp.where(jnp.arange(8) % 2 == 0, jnp.arange(8) // 2, -1)
-        kwargs["global_num_experts"] = 8
-        ids = jnp.where(ids >= 0, 2 * ids, ids)
+    x, weights, ids = x[:num_tokens], weights[:num_tokens], ids[:num_tokens]
+    # global experts 0-7, the even ones held here as 0-3
+    kwargs = dict(scales, global_num_experts=8)
+    kwargs["expert_map"] = jnp.where(jnp.arange(8) % 2 == 0, jnp.arange(8) // 2, -1)
+    ids = jnp.where(ids >= 0, 2 * ids, ids)
 
     def layer(fused):
         experts = ContiguousExperts(gemm=gemm, alignment=ALIGNMENT, fused_act_quant=fused + suffix)

@@ -485,25 +485,44 @@ PAIRS = mg.MosaicFp8GemmConfig(group_blocks=2, is_chained=True, max_concurrent_s
 OVERLAPPED_PAIRS = FUSED_CONFIGS[1].values[0]
 
 
-@pytest.mark.parametrize("interpret", IMPLS)
-@pytest.mark.parametrize(
-    ("config", "problem", "alignment"),
-    [pytest.param(None, p, 64, id=f"heuristic-{p}") for p in PROBLEMS]
-    + [
-        pytest.param(c.values[0], PROBLEMS[2], 64, id=f"{c.id}-{PROBLEMS[2]}")
-        for c in FUSED_CONFIGS
-    ]
+def _act_quant_cases():
+    """Compiled (on a GPU), the whole grid. Interpreted (30-60 s a case on a 2-core CPU), each
+    (config, alignment) once and each problem at each alignment once: the heuristic's
+    overlapped pairs (ids outside [0, E)) and groups of 4 (three blocks per expert: a pair and an
+    odd one, by the tile table); two warpgroups on K=384's three steps, one token and empty
+    experts; at 128 rows, pairs ordered without a table over several pairs per expert, a pair's
+    second block all padding (overlapped, ids outside), the heuristic's ungrouped config on one
+    token, and groups of 4 that still take the table."""
+    grid = [(None, p, 64, f"heuristic-{p}") for p in PROBLEMS]
+    grid += [(c.values[0], PROBLEMS[2], 64, f"{c.id}-{PROBLEMS[2]}") for c in FUSED_CONFIGS]
+    grid.append((FUSED_CONFIGS[0].values[0], PROBLEMS[1], 64, f"two_warpgroups-{PROBLEMS[1]}"))
     # 128-row segments: pairs ordered without a tile table (`is_dense`), a pair's second block
     # all padding where an expert has at most 64 rows; groups of 4 still take the table
-    + [pytest.param(PAIRS, p, 128, id=f"dense_pairs-{p}") for p in PROBLEMS]
-    + [
-        pytest.param(OVERLAPPED_PAIRS, PROBLEMS[0], 128, id=f"dense_overlapped-{PROBLEMS[0]}"),
-        pytest.param(
-            FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, id=f"table_groups_of_4-{PROBLEMS[2]}"
-        ),
-        pytest.param(None, PROBLEMS[1], 128, id=f"dense_heuristic-{PROBLEMS[1]}"),
-    ],
-)
+    grid += [(PAIRS, p, 128, f"dense_pairs-{p}") for p in PROBLEMS]
+    grid += [
+        (OVERLAPPED_PAIRS, PROBLEMS[0], 128, f"dense_overlapped-{PROBLEMS[0]}"),
+        (FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, f"table_groups_of_4-{PROBLEMS[2]}"),
+        (None, PROBLEMS[1], 128, f"dense_heuristic-{PROBLEMS[1]}"),
+    ]
+    interpreted = {
+        f"heuristic-{PROBLEMS[0]}",
+        f"heuristic-{PROBLEMS[2]}",
+        f"two_warpgroups-{PROBLEMS[1]}",
+        f"overlapped_pairs-{PROBLEMS[2]}",
+        f"dense_pairs-{PROBLEMS[2]}",
+        f"dense_overlapped-{PROBLEMS[0]}",
+        f"table_groups_of_4-{PROBLEMS[2]}",
+        f"dense_heuristic-{PROBLEMS[1]}",
+    }
+    for config, problem, alignment, name in grid:
+        if name in interpreted:
+            yield pytest.param(True, config, problem, alignment, id=f"{name}-interpret")
+        yield pytest.param(
+            False, config, problem, alignment, id=f"{name}-compiled", marks=pytest.mark.gpu
+        )
+
+
+@pytest.mark.parametrize(("interpret", "config", "problem", "alignment"), list(_act_quant_cases()))
 def test_act_quant_matches_float64_loop_and_the_unfused_kernels(
     interpret, config, problem, alignment
 ):
