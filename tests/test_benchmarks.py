@@ -369,15 +369,12 @@ def test_stage_breakdown_times_each_stage_and_the_gap_to_the_forward(tmp_path, c
 
 @pytest.mark.slow
 @pytest.mark.mosaic_interpret  # the interpret-mode kernel: on a GPU host, on its CPU device
-@pytest.mark.parametrize(
-    ("fused", "arrange"),
-    [("mosaic_fp8_interpret", "permute"), ("mosaic_fp8_gathered_interpret", "route")],
-)
-def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch, fused, arrange):
-    """With GEMM1 fused to act*up + quantize (here the interpret-mode kernels, on the CPU device)
-    the breakdown times it as one stage and feeds its FP8 output to GEMM2; where that GEMM1
-    gathers its rows from the tokens, the layer routes instead of permuting, and so does the
-    breakdown (the route's layout holds no rows: the fused stage reads the tokens)."""
+def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch):
+    """With GEMM1 fused to act*up + quantize (here the interpret-mode gathered kernel, on the
+    CPU device) the breakdown times it as one stage and feeds its FP8 output to GEMM2; as that
+    GEMM1 gathers its rows from the tokens, the layer routes instead of permuting, and so does
+    the breakdown (the route's layout holds no rows: the fused stage reads the tokens). The
+    permute stage is test_stage_breakdown_times_each_stage_and_the_gap_to_the_forward's."""
     from moe_jax.contiguous_experts import ContiguousExperts
 
     def one_call_samples(fn, args, *, iters):
@@ -390,11 +387,12 @@ def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch, fu
 
     monkeypatch.setattr(stage_breakdown, "time_jax", one_call_samples)
     layer = layer_bench.make_layer(layer_bench.SHAPES["small"])
+    fused = "mosaic_fp8_gathered_interpret"
     experts = ContiguousExperts(gemm="xla", alignment=128, fused_act_quant=fused)
     rows = stage_breakdown.stage_breakdown(layer, iters=2, experts=experts)
     assert [r["stage"] for r in rows] == [
         "quantize x",
-        arrange,
+        "route",
         f"GEMM1 + act*up + quantize ({fused})",
         "GEMM2 (xla)",
         "unpermute + reduce",
