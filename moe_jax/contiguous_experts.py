@@ -213,30 +213,11 @@ class ContiguousExperts(Experts):
         )
 
     def _gemm(self, backend, x, x_scales, w, w_scales, lay, *, plan, wgrad, out_dtype):
-        if plan.recipe is not None:
-            return fp8_training.grouped_gemm_contiguous(
-                backend,
-                x,
-                w,
-                lay.expert_ids,
-                lay.expert_ends,
-                recipe=plan.recipe,
-                alignment=plan.alignment,
-                out_dtype=out_dtype,
-                wgrad=wgrad,
-            )
-        return grouped_gemm_contiguous(
-            backend,
-            x,
-            w,
-            lay.expert_ids,
-            lay.expert_ends,
-            x_scales=x_scales,
-            w_scales=w_scales,
-            alignment=plan.alignment,
-            out_dtype=out_dtype,
-            wgrad=wgrad,
-        )
+        args = (backend, x, w, lay.expert_ids, lay.expert_ends)
+        kwargs = dict(alignment=plan.alignment, out_dtype=out_dtype, wgrad=wgrad)
+        if plan.recipe is not None:  # the recipe quantizes x and w itself
+            return fp8_training.grouped_gemm_contiguous(*args, recipe=plan.recipe, **kwargs)
+        return grouped_gemm_contiguous(*args, x_scales=x_scales, w_scales=w_scales, **kwargs)
 
     def activate(self, h: jax.Array, call: ExpertsCall, lay=None, *, plan: ExpertsPlan):
         """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
