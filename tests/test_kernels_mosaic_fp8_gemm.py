@@ -493,29 +493,23 @@ def _act_quant_cases():
     experts; at 128 rows, pairs ordered without a table over several pairs per expert, a pair's
     second block all padding (overlapped, ids outside), the heuristic's ungrouped config on one
     token, and groups of 4 that still take the table."""
-    grid = [(None, p, 64, f"heuristic-{p}") for p in PROBLEMS]
-    grid += [(c.values[0], PROBLEMS[2], 64, f"{c.id}-{PROBLEMS[2]}") for c in FUSED_CONFIGS]
-    grid.append((FUSED_CONFIGS[0].values[0], PROBLEMS[1], 64, f"two_warpgroups-{PROBLEMS[1]}"))
-    # 128-row segments: pairs ordered without a tile table (`is_dense`), a pair's second block
-    # all padding where an expert has at most 64 rows; groups of 4 still take the table
-    grid += [(PAIRS, p, 128, f"dense_pairs-{p}") for p in PROBLEMS]
-    grid += [
-        (OVERLAPPED_PAIRS, PROBLEMS[0], 128, f"dense_overlapped-{PROBLEMS[0]}"),
-        (FUSED_CONFIGS[2].values[0], PROBLEMS[2], 128, f"table_groups_of_4-{PROBLEMS[2]}"),
-        (None, PROBLEMS[1], 128, f"dense_heuristic-{PROBLEMS[1]}"),
+    p0, p1, p2 = PROBLEMS
+    two, overlapped, groups_of_4 = (c.values[0] for c in FUSED_CONFIGS)
+    grid = [  # (name, config, problem, alignment, interpreted too)
+        *((f"heuristic-{p}", None, p, 64, p is not p1) for p in PROBLEMS),
+        (f"two_warpgroups-{p2}", two, p2, 64, False),
+        (f"two_warpgroups-{p1}", two, p1, 64, True),
+        (f"overlapped_pairs-{p2}", overlapped, p2, 64, True),
+        (f"groups_of_4_chained-{p2}", groups_of_4, p2, 64, False),
+        # 128-row segments: pairs ordered without a tile table (`is_dense`), a pair's second
+        # block all padding where an expert has at most 64 rows; groups of 4 take the table
+        *((f"dense_pairs-{p}", PAIRS, p, 128, p is p2) for p in PROBLEMS),
+        (f"dense_overlapped-{p0}", overlapped, p0, 128, True),
+        (f"table_groups_of_4-{p2}", groups_of_4, p2, 128, True),
+        (f"dense_heuristic-{p1}", None, p1, 128, True),
     ]
-    interpreted = {
-        f"heuristic-{PROBLEMS[0]}",
-        f"heuristic-{PROBLEMS[2]}",
-        f"two_warpgroups-{PROBLEMS[1]}",
-        f"overlapped_pairs-{PROBLEMS[2]}",
-        f"dense_pairs-{PROBLEMS[2]}",
-        f"dense_overlapped-{PROBLEMS[0]}",
-        f"table_groups_of_4-{PROBLEMS[2]}",
-        f"dense_heuristic-{PROBLEMS[1]}",
-    }
-    for config, problem, alignment, name in grid:
-        if name in interpreted:
+    for name, config, problem, alignment, interpreted in grid:
+        if interpreted:
             yield pytest.param(True, config, problem, alignment, id=f"{name}-interpret")
         yield pytest.param(
             False, config, problem, alignment, id=f"{name}-compiled", marks=pytest.mark.gpu
