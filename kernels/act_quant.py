@@ -390,24 +390,15 @@ def act_and_quant(
 ) -> tuple[jax.Array, jax.Array]:
     """act(h[:, :I]) * h[:, I:] quantized to FP8 per row per `group_size` columns.
 
+    Arguments (less `impl`) and result as `moe_jax.act_quant.act_and_quant`, whose checks this
+    kernel relies on: the front answers empty arguments itself (here M >= 1) and refuses the
+    activations the compiled kernel cannot lower ("gelu" runs in interpret mode only:
+    `moe_jax.act_quant.COMPILED_ACTIVATIONS`). With `expert_ids`, programs whose rows are all
+    padding are skipped, their rows of q and scales unspecified.
+
     Args:
-      h: bf16/float16/float32[M, 2I] output of the first GEMM (M >= 1); I a positive multiple
-        of `group_size`. The front (`moe_jax.act_quant.act_and_quant`) checks the arguments,
-        answers empty ones itself and refuses activations the compiled kernel cannot lower.
-      activation: "silu", or "gelu" in interpret mode only
-        (`moe_jax.act_quant.COMPILED_ACTIVATIONS`).
-      group_size: columns per scale (128, vLLM's block recipe).
       config: block sizes; None picks `heuristic_config(M, I // group_size)`.
       interpret: run in Pallas interpret mode (CPU tests).
-      expert_ids: optional int[M], the layout's expert of each row, -1 on padding rows.
-        Programs whose rows are all padding are skipped: their rows of q and scales are
-        unspecified (the contiguous layout's padding, whose GEMM2 output nothing reads).
-      is_scales_group_major: write the scales as [I // group_size, M] in memory and return
-        their transpose (the same values), for a GEMM2 that reads them through it
-        (`GroupedGemm.is_scales_group_major`): XLA then cancels the two transposes.
-
-    Returns:
-      (q float8_e4m3fn[M, I], scales float32[M, I // group_size]).
     """
     num_rows, two_i = h.shape
     num_groups = two_i // 2 // group_size

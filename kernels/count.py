@@ -102,22 +102,13 @@ def count_expert_num_tokens(
     config: CountConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Counts the (token, slot) pairs each local expert receives.
-
-    Equal to `moe_jax.layouts.count_expert_num_tokens`.
+    """`moe_jax.permute.count_expert_num_tokens` (arguments and int32[E_local] result as there)
+    in one Pallas kernel, equal to `moe_jax.layouts.count_expert_num_tokens`. Needs T * k >= 1
+    and E_global >= 1: the front checks the arguments and answers empty ones itself.
 
     Args:
-      topk_ids: int[T, k] expert ids (global if `expert_map` is given); any value is allowed;
-        T * k >= 1 (the front, `moe_jax.permute.count_expert_num_tokens`, checks the arguments
-        and answers empty ones itself).
-      num_local_experts: E_local.
-      expert_map: optional int[E_global] global-to-local map (E_global >= 1), -1 for experts
-        held elsewhere.
       config: block sizes; None picks `heuristic_config(T * k, E_local)`.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
-
-    Returns:
-      int32[E_local] counts; duplicates count twice, invalid ids nowhere.
 
     Example:
       >>> count_expert_num_tokens(jnp.array([[0, 0], [2, 1]]), 2, interpret=True).tolist()

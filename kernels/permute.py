@@ -168,11 +168,8 @@ def gather_rows(
       x_scales: float32[T, G] (G >= 1) or None.
       sources: int32[M] token of each output row (M >= 1), -1 for padding.
       config: block sizes; None picks `heuristic_config(M, H, itemsize)`.
-      is_scales_group_major: write the row scales as float32[G, M] in memory and return their
-        transpose [M, G] (the same values), for a GEMM that reads them through that transpose
-        (`GroupedGemm.is_scales_group_major`): XLA cancels the two, so no copy runs between the
-        permute and GEMM1.
-      is_padding_zeroed: write zeros on padding rows; False leaves them as the buffer held them.
+      is_scales_group_major, is_padding_zeroed: as for `moe_jax.permute.permute` (scales
+        written [G, M] in memory and returned as their transpose; padding rows left unwritten).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
 
     Returns:

@@ -400,19 +400,12 @@ def routing_metadata(
 
     Equal to `moe_jax.layouts.routing_metadata`.
 
+    Arguments and `layouts.RoutingMetadata` as `moe_jax.permute.routing_metadata`, which checks
+    them and answers empty ids itself (here T * k >= 1).
+
     Args:
-      local_ids: int[T, k] local expert ids (`moe_jax.layouts.map_expert_ids`), T * k >= 1; ids
-        outside [0, E) go nowhere. The front (`moe_jax.permute.routing_metadata`) checks the
-        arguments and answers empty ids itself.
-      num_experts: E, the number of local experts.
-      alignment: segment length multiple (128 for DeepGEMM, 1 for none).
-      num_rows: M, rows of the layout: at least `layouts.contiguous_num_rows(T, k, E, alignment)`.
       config: block sizes; None picks `heuristic_config(T * k, E)`.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
-
-    Returns:
-      `layouts.RoutingMetadata` (inverse int32[T, k], num_tokens_per_expert int32[E],
-      expert_ends int32[E], source int32[M], expert_ids int32[M]).
 
     Example:
       >>> meta = routing_metadata(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4,

@@ -135,19 +135,13 @@ def unpermute(
     Matches `moe_jax.layouts.unpermute_reference` (float32 products and sums in slot order; on GPU
     the compiler may fuse a product and a sum into one rounding).
 
+    Arguments and result as `moe_jax.permute.unpermute`, whose checks and empty-axis answers
+    this kernel relies on: y bf16, float16 or float32 with M, H >= 1; T, k >= 1. Rows of
+    `inverse` outside [-1, M) are clamped, so the kernel never reads out of bounds.
+
     Args:
-      y: [M, H] expert outputs in row layout (bf16, float16 or float32); M, H >= 1.
-      inverse: int32[T, k] (T, k >= 1) row of each (token, slot) in y, -1 for a slot routed
-        nowhere. Rows must lie in [-1, M); the kernel clamps them, so it never reads out of
-        bounds. The front (`moe_jax.permute.unpermute`) checks the arguments and answers empty
-        axes itself.
-      topk_weights: float[T, k] weights, or None when they were already applied.
-      out_dtype: output dtype; defaults to y.dtype.
       config: block sizes; None picks `heuristic_config(T, H)`.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
-
-    Returns:
-      [T, H] in `out_dtype`; a token without a valid slot gets zeros.
 
     Example:
       >>> y = jnp.arange(6.0).reshape(3, 2)

@@ -87,22 +87,8 @@ def map_expert_ids(
 def count_expert_num_tokens(
     topk_ids: jax.Array, num_local_experts: int, expert_map: jax.Array | None = None
 ) -> jax.Array:
-    """Counts the (token, slot) pairs each local expert receives.
-
-    A token that picks the same expert twice counts twice; invalid ids count nowhere.
-
-    Args:
-      topk_ids: int[T, k] expert ids (global if `expert_map` is given).
-      num_local_experts: E_local.
-      expert_map: optional int[E_global] global-to-local map, -1 for experts held elsewhere.
-
-    Returns:
-      int32[E_local] counts.
-
-    Example:
-      >>> count_expert_num_tokens(jnp.array([[0, 0], [2, 1]]), 2).tolist()
-      [2, 1]
-    """
+    """`moe_jax.permute.count_expert_num_tokens` (its contract and example) in pure JAX,
+    unchecked: the reference of `moe_jax.kernels.count`."""
     local = map_expert_ids(topk_ids, num_experts=num_local_experts, expert_map=expert_map)
     one_hot = local.reshape(-1)[:, None] == jnp.arange(num_local_experts, dtype=jnp.int32)[None]
     return jnp.sum(one_hot, axis=0, dtype=jnp.int32)
@@ -218,20 +204,8 @@ class RoutingMetadata:
 def routing_metadata(
     local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int
 ) -> RoutingMetadata:
-    """The contiguous layout's routing metadata, in pure JAX (the reference of
-    `moe_jax.kernels.routing_metadata`; the front `moe_jax.permute.routing_metadata` checks the
-    arguments).
-
-    Args:
-      local_ids: int[T, k] local ids in [0, E) or -1 (from `map_expert_ids`); any other id goes
-        nowhere too.
-      num_experts: E.
-      alignment: segment length multiple.
-      num_rows: M, at least `contiguous_num_rows(T, k, E, alignment)`.
-
-    Returns:
-      `RoutingMetadata`: the destinations of `contiguous_destinations`, and for each of the M
-      rows the token it copies and its expert (-1 on padding).
+    """`moe_jax.permute.routing_metadata` (arguments and `RoutingMetadata` as there) in pure
+    JAX, unchecked: the reference of `moe_jax.kernels.routing_metadata`.
 
     Example:
       >>> meta = routing_metadata(jnp.array([[1, 0], [1, 1]]), num_experts=2, alignment=4,
@@ -283,20 +257,8 @@ def permute_reference(
     expert_map: jax.Array | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> ContiguousLayout:
-    """Builds the contiguous expert-major layout in pure JAX (`moe_jax.permute.permute`'s
-    "xla" implementation: routing metadata, then `gather_rows`).
-
-    Args:
-      x: [T, H] tokens (bf16, float32 or float8_e4m3fn).
-      topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` send that copy
-        nowhere.
-      num_experts: E, the number of local experts.
-      x_scales: optional float32[T, G] per-token-group scales, permuted with the rows.
-      expert_map: optional int[E_global] global-to-local map.
-      alignment: rows per segment multiple (128 for DeepGEMM).
-
-    Returns:
-      `ContiguousLayout` with M = `contiguous_num_rows(T, k, E, alignment)` rows.
+    """`moe_jax.permute.permute` (arguments and `ContiguousLayout` as there, less the tuning
+    ones) in pure JAX, unchecked: routing metadata, then `gather_rows`; padding rows are zero.
 
     Example:
       >>> lay = permute_reference(jnp.arange(4.0).reshape(2, 2), jnp.array([[1, 0], [1, 1]]),
@@ -325,21 +287,8 @@ def unpermute_reference(
     *,
     out_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Weight-and-reduce from a row layout back to tokens (reference of
-    `moe_jax.kernels.unpermute`).
-
-    out[t] = cast(sum over slots j with inverse[t, j] >= 0 of fp32(y[inverse[t, j]]) * w[t, j]),
-    summed in slot order; a token with no valid slot gets zeros.
-
-    Args:
-      y: [M, H] expert outputs in row layout (contiguous rows, or a flattened masked layout).
-      inverse: int32[T, k] row of each (token, slot), -1 for none.
-      topk_weights: float[T, k] weights, or None when they were already applied.
-      out_dtype: output dtype; defaults to y.dtype.
-
-    Returns:
-      [T, H] in `out_dtype`.
-    """
+    """`moe_jax.permute.unpermute` (its contract) in pure JAX, unchecked: the reference of
+    `moe_jax.kernels.unpermute`. y may be contiguous rows or a flattened masked layout."""
     out_dtype = y.dtype if out_dtype is None else out_dtype
     num_tokens, topk = inverse.shape
     if y.shape[0] == 0:

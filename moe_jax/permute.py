@@ -131,7 +131,7 @@ def route(
 ) -> layouts.ContiguousLayout:
     """The contiguous layout without its rows: where each (token, slot) goes and which token
     feeds each row (the first half of `permute`, and all a GEMM1 that reads the rows from the
-    tokens itself needs: `moe_jax.experts.GemmPair.gathers_rows`). Nothing is copied.
+    tokens itself needs: `moe_jax.plan.ExpertsPlan.gathers_rows`). Nothing is copied.
 
     Args:
       topk_ids: int[T, k] expert per slot; ids outside [0, E) after `expert_map` go nowhere.
@@ -170,8 +170,8 @@ def route(
 def routing_metadata(
     local_ids: jax.Array, *, num_experts: int, alignment: int, num_rows: int, impl: str = AUTO
 ) -> layouts.RoutingMetadata:
-    """The contiguous layout's routing metadata (see `moe_jax.layouts.routing_metadata`) for
-    local ids and any number of rows; every implementation returns the same bits.
+    """The contiguous layout's routing metadata for local ids and any number of rows; every
+    implementation returns the same bits.
 
     Args:
       local_ids: int[T, k] local ids in [0, E), or -1 (`moe_jax.layouts.map_expert_ids`); ids
@@ -448,7 +448,7 @@ def count_expert_num_tokens(
     impl: str = AUTO,
 ) -> jax.Array:
     """int32[E_local] (token, slot) pairs per local expert; duplicates count twice, invalid ids
-    nowhere (see `moe_jax.layouts.count_expert_num_tokens`).
+    nowhere.
 
     Args:
       topk_ids: int[T, k] expert ids (global if `expert_map` is given); any value is allowed.
