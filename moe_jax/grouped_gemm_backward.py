@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
-from moe_jax.registry import AUTO, FunctionImpl, Registry, current_platform
+from moe_jax.registry import AUTO, FunctionImpl, Registry
 from moe_jax.routing import require_int
 
 FP8_WEIGHTS_MESSAGE = (
@@ -68,18 +68,10 @@ WGRADS: Registry = Registry(
 def wgrad_problem(
     dy: jax.Array, x: jax.Array, *, num_experts: int, alignment: int
 ) -> grouped_gemm.GemmProblem:
-    """The `GemmProblem` of dw [E, N, K] = grouped dy [M, N]^T x [M, K] (x_dtype: dy's)."""
-    return grouped_gemm.GemmProblem(
-        layout="contiguous",
-        n=dy.shape[1],
-        k=x.shape[1],
-        num_experts=num_experts,
-        num_pairs=dy.shape[0],
-        x_dtype=jnp.dtype(dy.dtype).name,
-        w_dtype=jnp.dtype(x.dtype).name,
-        platform=current_platform(),
-        alignment=alignment,
-    )
+    """The `GemmProblem` of dw [E, N, K] = grouped dy [M, N]^T x [M, K]: dy as the rows, dw's
+    shape in x's dtype as the weights."""
+    dw = jax.ShapeDtypeStruct((num_experts, dy.shape[1], x.shape[1]), x.dtype)
+    return grouped_gemm.GemmProblem.of(dy, dw, alignment=alignment)
 
 
 def wgrad_reference(

@@ -31,9 +31,7 @@ from moe_jax.registry import NoImplementationError
 
 MASKED_SUFFIX = "_masked"  # "<gemm>_masked": MaskedExperts(gemm=<gemm>)
 
-# The masked layout's capacity rule (MaskedExperts): its buffers may exceed those of the
-# contiguous layout for the same call, at DeepGEMM's 128-row segments, by at most the bytes of
-# the expert weights the call reads.
+# The contiguous layout's segment multiple that the capacity rule compares with (`MaskedExperts`)
 MASKED_BOUND_ALIGNMENT = layouts.DEFAULT_ALIGNMENT
 
 
@@ -65,9 +63,7 @@ def masked_mlp(
       unspecified.
     """
     num_experts, max_m = rows.shape[:2]
-    gemm1, gemm2 = masked_gemms(
-        gemm, weights, num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m
-    )
+    gemm1, gemm2 = masked_gemms(gemm, weights, num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m)
     mid_dtype = intermediate_dtype(rows.dtype, call)
     expected_m = max_m if expected_m is None else expected_m
     h = grouped_gemm_masked(
@@ -98,10 +94,6 @@ def masked_mlp(
 class MaskedCapacityError(NoImplementationError, ValueError):
     """`MaskedExperts` refuses a problem: `max_m` asks for more rows than its per-expert capacity.
 
-    A ValueError (the value asked for is too large for this problem) and a
-    `moe_jax.registry.NoImplementationError` (a refusal whose `refusals` maps the experts' name
-    to the reason, as the registries' refusals do).
-
     Attributes:
       refusals: {experts name: why}.
       problem: the `ExpertsProblem` refused.
@@ -116,7 +108,7 @@ def masked_bound_rows(problem: ExpertsProblem) -> int:
     """Rows per expert the masked layout may allocate for `problem` by the byte bound (>= 1).
 
     E * max_m * row_bytes <= weight_bytes + contiguous_rows * row_bytes, with contiguous_rows
-    `layouts.contiguous_num_rows` at `MASKED_BOUND_ALIGNMENT` (see the comment there).
+    `layouts.contiguous_num_rows` at `MASKED_BOUND_ALIGNMENT` (`MaskedExperts`' capacity).
     """
     row_bytes = problem.row_bytes
     contiguous = layouts.contiguous_num_rows(

@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, layouts, quant
@@ -36,7 +37,7 @@ from moe_jax.fused_gemm1 import FUSED_GEMM1S, FusedGemm1, FusedGemm1Problem
 from moe_jax.grouped_gemm import GEMMS
 from moe_jax.grouped_gemm_backward import WGRADS
 from moe_jax.permute import PERMUTES, UNPERMUTES
-from moe_jax.registry import AUTO, NoImplementationError, OpProblem, Registry, current_platform
+from moe_jax.registry import AUTO, NoImplementationError, OpProblem, Registry
 
 FP8 = jnp.dtype(quant.FP8_DTYPE).name
 
@@ -260,20 +261,17 @@ def gemm_problems(
     *,
     alignment: int | None,
     dtype: str | None = None,
-    layout: str = "contiguous",
-    max_m: int | None = None,
 ) -> tuple[grouped_gemm.GemmProblem, grouped_gemm.GemmProblem]:
     """GEMM1's ([rows, H] x w1 [E, 2I, H]) and GEMM2's ([rows, I] x w2 [E, H, I]) problems
     (operands of `dtype`, default the problem's)."""
     common = dict(
-        layout=layout,
+        layout="contiguous",
         num_experts=problem.num_experts,
         num_pairs=problem.num_tokens * problem.topk,
         x_dtype=dtype or problem.x_dtype,
         w_dtype=dtype or problem.weight_dtype,
         platform=problem.platform,
         alignment=alignment,
-        max_m=max_m,
     )
     return (
         grouped_gemm.GemmProblem(n=2 * problem.intermediate, k=problem.hidden, **common),
@@ -286,20 +284,11 @@ def masked_gemms(
 ) -> tuple[grouped_gemm.GroupedGemm, grouped_gemm.GroupedGemm]:
     """GEMM1's and GEMM2's backends on the masked layout (`MaskedExperts`, `masked_mlp`) for
     `ExpertWeights` `weights`, rows of `x_dtype` and at most `num_pairs` routed pairs."""
-    problem = ExpertsProblem(
-        num_tokens=num_pairs,
-        topk=1,
-        num_experts=weights.num_experts,
-        hidden=weights.w1.shape[2],
-        intermediate=weights.w2.shape[2],
-        x_dtype=jnp.dtype(x_dtype).name,
-        mid_dtype="",
-        group_size=None,
-        weight_bytes=0,
-        w_dtype=jnp.dtype(weights.w1.dtype).name,
-        platform=current_platform(),
+    rows = jax.ShapeDtypeStruct((weights.num_experts, max_m, 0), x_dtype)  # of() reads [E, max_m]
+    problems = (
+        grouped_gemm.GemmProblem.of(rows, w, layout="masked", num_pairs=num_pairs)
+        for w in (weights.w1, weights.w2)  # shapes and dtypes as `moe_jax.moe_inputs` checked
     )
-    problems = gemm_problems(problem, alignment=None, layout="masked", max_m=max_m)
     gemm1, gemm2 = (_choose(GEMMS, gemm, p, argument="gemm")[0] for p in problems)
     return gemm1, gemm2
 
