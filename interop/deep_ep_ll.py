@@ -377,9 +377,8 @@ class DeepEPLowLatency(PrepareFinalize):
         """y bf16[E_local, R * T_max, H] (unweighted expert outputs; rows past the counts are
         not read) -> bf16[T, H], the weighted sum over each token's experts. `dispatched`: the
         dispatch's `LLDispatched` or `LLPreparedTokens` (only its handle is read). DeepEP writes the
-        result straight into XLA's output buffer (into a temporary with
-        `command_buffer_compatible`: `deep_ep_ll_graph.combine_output`). `warm_up` alone passes
-        phase="warm_up" (eager, never captured)."""
+        result straight into XLA's output buffer (into a temporary with `command_buffer_compatible`:
+        `deep_ep_ll_graph.combine_output`). `warm_up` alone passes phase="warm_up" (eager)."""
         is_capturable = self.command_buffer_compatible and phase == "combine"
         p, torch, deep_ep, buffer = self.problem, import_torch(), import_deep_ep(), self.buffer
         ids_from_words = topk_idx_from_words(torch, deep_ep)

@@ -4,9 +4,8 @@ permute -> GEMM1 -> act(gate) * up (-> requantize) -> GEMM2 -> weighted gather, 
 rows [M, H] (M = T*k plus each expert's segment padded to the alignment): the layout of
 DeepGEMM's contiguous GEMMs and torch's grouped GEMM. The gather at the end applies the router
 weights and sums each token's slots into [T, H]. Where GEMM1 gathers its rows from the tokens
-(`ExpertsPlan.gathers_rows`), the permute only routes: the layout has no rows. Every choice is
-made by the call's plan (`moe_jax.plan`); the stage methods run it. `RESIDUAL_*` name what the
-backward keeps (`RECOMPUTE_POLICIES`).
+(`ExpertsPlan.gathers_rows`), the permute only routes: the layout has no rows. `RESIDUAL_*` name
+what the backward keeps (`RECOMPUTE_POLICIES`).
 """
 
 from __future__ import annotations
@@ -46,8 +45,8 @@ class ContiguousExperts(Experts):
     """Experts on the contiguous layout: permute -> GEMM1 -> act (+quant) -> GEMM2 -> unpermute.
 
     Each stage is a public method taking the call's `ExpertsPlan` (`plan`), so profiles and
-    benchmarks time the same code that `apply` runs. Every choice is the plan's; "auto" is the
-    fastest that runs here.
+    benchmarks time the same code that `apply` runs. Every choice is the plan's (`moe_jax.plan`);
+    "auto" is the fastest that runs here.
 
     Attributes:
       gemm: GEMM backend name, a `GroupedGemm`, or "auto" (`moe_jax.grouped_gemm.GEMMS`).
