@@ -30,6 +30,7 @@ Index inputs (topk_ids, expert_map, inverse) get no cotangent.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -282,14 +283,7 @@ def permute(
         jnp.dtype(x.dtype),
     )
     rows, row_scales = _copy_rows(statics, x, x_scales, lay.sources, lay.inverse)
-    return layouts.ContiguousLayout(
-        rows=rows,
-        row_scales=row_scales,
-        expert_ids=lay.expert_ids,
-        inverse=lay.inverse,
-        num_tokens_per_expert=lay.num_tokens_per_expert,
-        expert_ends=lay.expert_ends,
-    )
+    return dataclasses.replace(lay, rows=rows, row_scales=row_scales, sources=None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
