@@ -1,11 +1,9 @@
 """The GPU's SM clock and slowdown reasons while a benchmark times, sampled with `nvidia-smi`.
 
 A figure timed while the GPU clocks itself down is not the figure of the same code on a cool,
-uncapped GPU. On the H200, back-to-back FP8 layer forwards at shape A hit the software power
-cap about 50 ms into a run: DeepGEMM's GEMM1 went from 1555 to 1820 us per call, the SM clock
-to 1425-1965 MHz with `clocks_event_reasons.sw_power_cap` active (2026-12-04, BENCHMARKS.md
-"Prefill"). `ClockMonitor` samples the clock and the reasons in the background while a block
-runs, so a benchmark can print what the GPU did during its timing:
+uncapped GPU (BENCHMARKS.md "Prefill" records where the power cap hit). `ClockMonitor` samples
+the clock and the reasons in the background while a block runs, so a benchmark can print what
+the GPU did during its timing:
 
     with ClockMonitor() as clocks:
         timing = time_jax(fn, args, iters=20)
