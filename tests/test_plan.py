@@ -10,6 +10,7 @@ inline PTX), which the backends otherwise judge by this machine's installation.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import subprocess
 import sys
@@ -130,8 +131,11 @@ def test_a_recipe_plans_fp8_gemms_and_bf16_weight_gradients(gpu_host):
     p = plan(_problem(**SHAPE_B, fp8=False), recipe=recipe)
     assert p.gemm1.name == "deep_gemm" and not p.fuses_act_quant
     assert [w.name for w in p.wgrads] == ["pallas", "pallas"]  # about 640 rows per expert
-    p = plan(_problem(**SHAPE_A, fp8=False), recipe=recipe)
-    assert [w.name for w in p.wgrads] == ["torch", "torch"]  # about 1150
+    p = plan(_problem(**SHAPE_A, fp8=False), recipe=recipe)  # about 1150 rows per expert
+    if importlib.util.find_spec("torch") is None:  # torch's wgrad refuses; Pallas runs next
+        assert "torch" in p.refusals["wgrad"] and [w.name for w in p.wgrads] == ["pallas"] * 2
+    else:
+        assert [w.name for w in p.wgrads] == ["torch", "torch"]
 
 
 def test_named_backends_build_plans_too():
