@@ -10,13 +10,10 @@ Whole layer:
   train_stages        forward and backward time of each stage of a training step
   bench_ratio         current / baseline table of `bench --json` files (gpu_check.sh baseline)
 Kernels:
-  kernel_bench        the Pallas data-movement kernels against XLA and the copy bandwidth
   gemm_sweep          tile sweep of the decode grouped GEMMs (Pallas, Mosaic)
   wgrad_bench         the grouped weight-gradient kernels
-  destinations_bench  the contiguous layout's rank methods and the routing-metadata kernel
   sanitize_kernels    every compiled kernel once, for compute-sanitizer (gpu_check.sh sanitize)
 Interop:
-  deep_gemm_options   DeepGEMM's FP8 grouped GEMMs under its process-wide options (alignment, ...)
   interop_bench       DeepGEMM and torch grouped GEMMs from jax.jit against torch's own calls
   deep_ep_ll_bench    DeepEP low latency through moe_jax on one GPU, run as a file: `python -m
                       moe_jax.distributed --num-processes 1 benchmarks/deep_ep_ll_bench.py`
