@@ -13,11 +13,16 @@ backends, after checking each against a float32 reference, and prints:
 reference is `moe_jax.moe_reference`'s formula (dequantized weights, unquantized activations) on
 the first `CHECK_TOKENS` tokens, so the error includes the activations' FP8 quantization.
 Without a GPU the tiny shape runs (every stage on XLA) so the command can be tested anywhere.
+
+Variants named "<experts>_bf16" and the tokamax peers ("tokamax", "tokamax_mosaic",
+"tokamax_triton": `moe_jax.cli.tokamax_peer`, the peers extra) read the same weights dequantized
+to bf16 (twice the bytes the limit counts); they run only when named in --variants.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -28,7 +33,7 @@ import numpy as np
 
 from moe_jax import quant
 from moe_jax.activation import act_and_mul
-from moe_jax.cli import layer_report
+from moe_jax.cli import layer_report, tokamax_peer
 from moe_jax.cli.timing import rel_error, time_jax
 from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.experts import ExpertWeights
@@ -40,6 +45,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048)
 VARIANTS = ("auto", "deep_gemm", "pallas", "deep_gemm_masked")
 CHECK_TOKENS = 16  # tokens checked against the float32 reference
+BF16_SUFFIX = "_bf16"  # "<experts>_bf16": fused_moe(experts=<experts>) on bf16 weights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +145,27 @@ def layer_fn(experts: str):
     return jax.jit(forward)
 
 
+@functools.partial(jax.jit, static_argnames="kn")
+def _dequant_bf16(w, scale, *, kn: bool):
+    w = quant.dequant_per_block(w, scale).astype(jnp.bfloat16)
+    return jnp.swapaxes(w, 1, 2) if kn else w
+
+
+def bf16_weights(weights: ExpertWeights, variants: Sequence[str]) -> dict:
+    """The FP8 weights dequantized to bf16, once, for the variants that read bf16: "experts"
+    (`ExpertWeights`, moe_jax's layout) for "<experts>_bf16" names, "kn" ((w1 [E, H, 2I],
+    w2 [E, I, H]), tokamax's layout) for the tokamax peers."""
+    layouts = {"experts": False} if any(v.endswith(BF16_SUFFIX) for v in variants) else {}
+    if any(v in tokamax_peer.PEERS and not tokamax_peer.unavailable_reason(v) for v in variants):
+        layouts["kn"] = True
+    out = {}
+    for layout, kn in layouts.items():
+        w1 = _dequant_bf16(weights.w1, weights.w1_scale, kn=kn)
+        w2 = _dequant_bf16(weights.w2, weights.w2_scale, kn=kn)
+        out[layout] = (w1, w2) if kn else ExpertWeights(w1=w1, w2=w2)
+    return out
+
+
 def _auto_gemm(weights: ExpertWeights, num_tokens: int, topk: int) -> str:
     """The GEMM backend `experts="auto"` picks for GEMM1 (and its alignment)."""
     try:
@@ -156,10 +183,12 @@ def measure(
     num_tokens: int,
     variants: Sequence[str],
     *,
+    bf16: dict,
     iters: int,
     progress: TextIO,
 ) -> dict:
-    """One table row: routing facts, the limit, and each variant's time, error or refusal."""
+    """One table row: routing facts, the limit, and each variant's time, error or refusal;
+    `bf16` holds `bf16_weights(weights, variants)`."""
     x, topk_weights, topk_ids = make_tokens(shape, num_tokens)
     num_active = int(np.unique(np.asarray(topk_ids)).size)
     limit_us = num_active * shape.expert_bytes() / HBM_BYTES_PER_S * 1e6
@@ -174,8 +203,17 @@ def measure(
     )
     for name in variants:
         print(f"[T={num_tokens}] {name}", file=progress, flush=True)
-        fn = layer_fn(name)
-        args = (x, weights, topk_weights, topk_ids)
+        if name in tokamax_peer.PEERS:
+            if (why := tokamax_peer.unavailable_reason(name)) is not None:
+                row["variants"][name] = dict(skipped=why)
+                continue
+            fn = jax.jit(tokamax_peer.peer_layer(name))
+            args = (x, *bf16["kn"], topk_weights, topk_ids)
+        elif name.endswith(BF16_SUFFIX):
+            fn = layer_fn(name.removesuffix(BF16_SUFFIX))
+            args = (x, bf16["experts"], topk_weights, topk_ids)
+        else:
+            fn, args = layer_fn(name), (x, weights, topk_weights, topk_ids)
         try:
             out = fn(*args)
             error = rel_error(out[:checked], ref)
@@ -276,7 +314,7 @@ def run_decode_bench(
       json_path: write {"environment", "shape", "rows"} there.
       plot_path: write a PNG (log-log us against T) there.
       shape: a name from `SHAPES`; None: "deepseek_v3" on a GPU, "tiny" elsewhere.
-      variants: `fused_moe` experts names; None: `VARIANTS`.
+      variants: `fused_moe` experts names, "<experts>_bf16" or tokamax peers; None: `VARIANTS`.
     """
     progress = sys.stderr if progress is None else progress
     on_gpu = jax.default_backend() == "gpu"
@@ -290,15 +328,18 @@ def run_decode_bench(
         return 2
     variants = list(variants or VARIANTS)
     for name in variants:  # an unknown name fails here, before any measurement
+        if name in tokamax_peer.PEERS:
+            continue
         try:
-            resolve_experts(name)
+            resolve_experts(name.removesuffix(BF16_SUFFIX))
         except ValueError as e:
             print(f"--variants {name}: {e}", file=sys.stderr)
             return 2
     decode_shape = SHAPES[shape_name]
     weights = make_weights(decode_shape)
+    bf16 = bf16_weights(weights, variants)
     rows = [
-        measure(decode_shape, weights, t, variants, iters=iters, progress=progress)
+        measure(decode_shape, weights, t, variants, bf16=bf16, iters=iters, progress=progress)
         for t in token_counts
     ]
     env = layer_report.environment()

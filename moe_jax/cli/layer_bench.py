@@ -13,6 +13,9 @@ Variants (each runs where it can; the table says why one did not):
   jax_ragged_dot_bf16   argsort + jax.lax.ragged_dot (what a JAX user writes today)
   jax_mosaic_bf16       argsort + JAX's Mosaic GPU ragged_dot kernel (GPU)
   torch_deep_gemm_fp8   torch glue (sort, index, quantize in torch ops) + DeepGEMM FP8 (GPU)
+  tokamax, tokamax_mosaic, tokamax_triton
+                        argsort + tokamax.ragged_dot, bf16, its default implementation, then
+                        "mosaic" and "triton" (GPU) (`moe_jax.cli.tokamax_peer`; the peers extra)
   moe_jax_bf16          fused_moe(experts="auto") on bf16 weights
   moe_jax_fp8           fused_moe(experts="auto") on FP8 block weights (on a Hopper GPU with
                         H <= 2048 its GEMM1 is the fused one below, in its gathered form where
@@ -37,6 +40,7 @@ Variants (each runs where it can; the table says why one did not):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +50,9 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import grouped_gemm, quant
-from moe_jax.cli import gpu_clocks, layer_report
+from moe_jax.cli import gpu_clocks, layer_report, tokamax_peer
 from moe_jax.cli.timing import rel_error, time_jax
+from moe_jax.cli.tokamax_peer import sorted_moe
 from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.experts import ExpertWeights
 from moe_jax.fused_moe import fused_moe
@@ -116,12 +121,13 @@ VARIANTS = (
     "jax_ragged_dot_bf16",
     "jax_mosaic_bf16",
     "torch_deep_gemm_fp8",
+    *tokamax_peer.PEERS,
     "moe_jax_bf16",
     *FP8_VARIANTS,
 )
 # run only when named in --variants
 OPT_IN_VARIANTS = tuple(name for name in FP8_VARIANTS if name != "moe_jax_fp8")
-BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8")
+BASELINES = ("jax_ragged_dot_bf16", "jax_mosaic_bf16", "torch_deep_gemm_fp8", *tokamax_peer.PEERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,27 +180,6 @@ def reference(layer: Layer, *, fp8: bool) -> jax.Array:
         )
 
 
-def _sort_pipeline(gemm: Callable) -> Callable:
-    """A user's JAX MoE: argsort by expert, two grouped GEMMs, unsort, weighted sum."""
-
-    def forward(x, w1, w2, topk_weights, topk_ids):
-        num_tokens, topk = topk_ids.shape
-        num_experts = w1.shape[0]
-        flat = topk_ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        rows = x[order // topk]
-        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-        h = gemm(rows, w1, sizes)
-        inter = h.shape[1] // 2
-        a = jax.nn.silu(h[:, :inter].astype(jnp.float32)).astype(h.dtype) * h[:, inter:]
-        y = gemm(a, w2, sizes)
-        unsorted = jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, topk, -1)
-        out = jnp.sum(unsorted.astype(jnp.float32) * topk_weights[..., None], axis=1)
-        return out.astype(x.dtype)
-
-    return forward
-
-
 def _lax_ragged(rows, w, sizes):
     return jax.lax.ragged_dot(
         rows, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=jnp.float32
@@ -210,11 +195,16 @@ def jax_variant(name: str, layer: Layer) -> tuple[Callable, tuple] | str:
     here."""
     bf16_args = (layer.x, layer.w1, layer.w2, layer.topk_weights, layer.topk_ids)
     if name == "jax_ragged_dot_bf16":
-        return jax.jit(_sort_pipeline(_lax_ragged)), bf16_args
+        return jax.jit(functools.partial(sorted_moe, ragged_dot=_lax_ragged)), bf16_args
     if name == "jax_mosaic_bf16":
         if jax.default_backend() != "gpu":
             return "needs an NVIDIA GPU"
-        return jax.jit(_sort_pipeline(_mosaic_ragged)), bf16_args
+        return jax.jit(functools.partial(sorted_moe, ragged_dot=_mosaic_ragged)), bf16_args
+    if name in tokamax_peer.PEERS:
+        if (why := tokamax_peer.unavailable_reason(name)) is not None:
+            return why
+        w1, w2 = jax.jit(tokamax_peer.to_kn)(layer.w1, layer.w2)  # once, not timed
+        return jax.jit(tokamax_peer.peer_layer(name)), (layer.x, w1, w2, *bf16_args[3:])
     if name == "moe_jax_bf16":
         return jax.jit(lambda *a: fused_moe(*a, experts="auto")), bf16_args
     if name in FP8_VARIANTS:

@@ -12,6 +12,9 @@ Variants:
   deep_gemm_nt_dgrad            deep_gemm with the dgrad as an NT GEMM against swapaxes(w)
   deep_gemm_mosaic_wgrad        deep_gemm with JAX's Mosaic GPU wgrad (transposed_ragged_dot)
   fp8_recipe                    ContiguousExperts(recipe=Fp8Training()) on the bf16 weights
+  tokamax, tokamax_mosaic, tokamax_triton
+                                argsort + tokamax.ragged_dot (its default, "mosaic", "triton")
+                                and tokamax's backward (`moe_jax.cli.tokamax_peer`; peers extra)
   torch_titan                   torch: argsort, groups padded to 16 rows, two torch._grouped_mm,
                                 autograd (torchtitan's MoE): the baseline. On CUDA when JAX runs on
                                 a GPU, else on the CPU (torch >= 2.8 has a CPU torch._grouped_mm)
@@ -24,6 +27,7 @@ go to stderr as variants run, then one table like `bench`'s, each skip reason on
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -31,7 +35,7 @@ from typing import TextIO
 import jax
 import jax.numpy as jnp
 
-from moe_jax.cli import layer_report
+from moe_jax.cli import layer_report, tokamax_peer
 from moe_jax.cli.layer_bench import SHAPES, make_layer
 from moe_jax.cli.timing import rel_error, time_calls, time_jax
 from moe_jax.contiguous_experts import ContiguousExperts
@@ -46,6 +50,7 @@ VARIANTS = (
     "deep_gemm_mosaic_wgrad",
     "xla",
     "fp8_recipe",
+    *tokamax_peer.PEERS,
     "torch_titan",
 )
 BASELINE = "torch_titan"
@@ -71,26 +76,23 @@ def experts_for(name: str):
     return name
 
 
-def make_step(experts):
-    """jit(value_and_grad) of the probe loss w.r.t. (x, w1, w2, topk_weights)."""
+def make_step(forward):
+    """jit(value_and_grad) of the probe loss w.r.t. (x, w1, w2, topk_weights), where
+    `forward(x, w1, w2, topk_weights, topk_ids)` is the layer."""
 
     def loss(x, w1, w2, topk_weights, topk_ids, probe):
-        out = fused_moe(x, w1, w2, topk_weights, topk_ids, experts=experts)
-        return jnp.sum(out.astype(jnp.float32) * probe)
+        return jnp.sum(forward(x, w1, w2, topk_weights, topk_ids).astype(jnp.float32) * probe)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-
-
-def make_forward(experts):
-    return jax.jit(lambda x, w1, w2, tw, ids: fused_moe(x, w1, w2, tw, ids, experts=experts))
 
 
 def reference_grads(args):
     """float32 gradients through experts="xla" at the highest precision."""
     x, w1, w2, tw, ids, probe = args
     f32 = [a.astype(jnp.float32) for a in (x, w1, w2)]
+    forward = functools.partial(fused_moe, experts=experts_for("xla"))
     with jax.default_matmul_precision("highest"):
-        _, grads = make_step(experts_for("xla"))(*f32, tw, ids, probe)
+        _, grads = make_step(forward)(*f32, tw, ids, probe)
     return jax.block_until_ready(grads)
 
 
@@ -99,17 +101,27 @@ def _errors(grads, ref) -> dict:
 
 
 def run_jax_variant(name: str, args, ref, *, iters: int) -> dict:
-    experts = experts_for(name)
-    step = make_step(experts)
+    """A moe_jax variant's row, or a tokamax peer's (its weights as [E, K, N], transposed before
+    the timed step; its weight gradients transposed back for the errors)."""
+    x, w1, w2, tw, ids, probe = args
+    is_peer = name in tokamax_peer.PEERS
+    if is_peer:
+        if (why := tokamax_peer.unavailable_reason(name)) is not None:
+            return {"variant": name, "skipped": why}
+        forward = tokamax_peer.peer_layer(name)
+        w1, w2 = jax.jit(tokamax_peer.to_kn)(w1, w2)
+    else:
+        forward = functools.partial(fused_moe, experts=experts_for(name))
+    step = make_step(forward)
+    args = (x, w1, w2, tw, ids, probe)
     try:
-        _, grads = step(*args)
+        _, (dx, dw1, dw2, dtw) = step(*args)
     except Exception as error:  # a backend that cannot run here: report why, go on
         return {"variant": name, "skipped": layer_report.skip_reason(error)}
-    row = {"variant": name, **_errors(grads, ref)}
-    x, w1, w2, tw, ids, _ = args
-    row["fwd ms"], row["fwd latency ms"] = time_jax(
-        make_forward(experts), (x, w1, w2, tw, ids), iters=iters
-    )
+    if is_peer:  # back to moe_jax's layout, as the reference's
+        dw1, dw2 = tokamax_peer.to_kn(dw1, dw2)
+    row = {"variant": name, **_errors((dx, dw1, dw2, dtw), ref)}
+    row["fwd ms"], row["fwd latency ms"] = time_jax(jax.jit(forward), args[:5], iters=iters)
     row["step ms"], row["step latency ms"] = time_jax(step, args, iters=iters)
     return row
 
