@@ -23,12 +23,12 @@ Command-buffer mode (`--graph`, run with XLA_FLAGS letting XLA capture custom ca
 `DeepEPLowLatency(command_buffer_compatible=True)`, checked against the eager adapter's output
 (including calls on fresh input buffers, which XLA re-captures), with the number of DeepEP calls
 Python made while timing (0 when XLA replays its graphs), against the direct chain captured in a
-torch CUDA graph and replayed; and the whole LL layer (`ll_layer`) in that mode.
+torch CUDA graph and replayed; and the whole LL layer (`ll_layer`) in that mode. The bridge's own
+host cost (a jitted no-op `torch_callback`) is `benchmarks.interop_bench`'s.
 
 Graph-mode timings also report a steady state per round trip: each sample times 5 and then 20
 chains back to back, and the difference over the extra chains drops the sample's fixed lead-in
 (the first chain's launch, the final wait), which a loop of many decode steps pays once.
-`--copy-sweep` times every `ValidRowsCopyConfig` of the receive copy alone (checked first).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import functools
-import itertools
 import json
 import os
 import statistics
@@ -344,80 +343,6 @@ def steady_streamed(fn, wait, samples: int, round_trips: int) -> tuple[float, fl
     return statistics.median(shorts), statistics.median(steadies)
 
 
-COPY_SWEEP = tuple(
-    dep_ll.ValidRowsCopyConfig(block_t=t, block_w=w, num_warps=nw)
-    for t, w, nw in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))
-)
-COPIES_PER_GRAPH = 50
-
-
-def _copy_name(config) -> str:
-    return f"t{config.block_t}_w{config.block_w}_nw{config.num_warps}"
-
-
-def _copied_exactly(out, received, torch) -> bool:
-    """XLA-shaped buffers `out` hold `received`'s counts and layout, and each expert's rows,
-    scales and src_info below its count, bit for bit (the "valid_rows" copy's contract)."""
-    count, rows, scales, info, layout = received
-    ok = bool((out[2] == count).all() and (out[4] == layout).all())
-    for e in range(count.shape[0]):
-        m = int(count[e])
-        ok &= bool((out[0][e, :m].view(torch.uint8) == rows[e, :m].view(torch.uint8)).all())
-        ok &= bool((out[1][e, :, :m] == scales[e, :, :m]).all())
-        ok &= bool((out[3][e, :m] == info[e, :m]).all())
-    return ok
-
-
-def time_copy_configs(args, problem, buffer, torch) -> dict:
-    """The "valid_rows" receive copy alone, per `ValidRowsCopyConfig` of `COPY_SWEEP`: after one
-    direct DeepEP dispatch, each tiling copies its received tensors into buffers shaped like
-    XLA's, is checked against the source (`_copied_exactly`), then timed as COPIES_PER_GRAPH
-    copies captured in one torch CUDA graph (median of `args.samples` replays), so host launch
-    time is not measured."""
-    x, _, tw, ids = make_problem(args, 3)
-    ids_t = torch.from_dlpack(ids).to(torch.int64)
-    (rows, scales), count, handle, _, _ = buffer.low_latency_dispatch(
-        torch.from_dlpack(x), ids_t, problem.num_tokens, problem.num_experts, use_fp8=True
-    )
-    received = (count, rows, scales.transpose(1, 2), handle[0], handle[1].view(torch.int32))
-    out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in received]
-    out = [out[1], out[2], out[0], out[3], out[4]]  # `LLDispatched`'s leaf order
-    results = {"valid_rows": int(count.sum()), "configs": {}}
-    copy_valid_rows = dep_ll.RECV_COPIES.get("valid_rows")
-    stream = torch.cuda.Stream()
-    for config in COPY_SWEEP:
-        for o in out:
-            o.zero_()
-        copy_valid_rows(out, received, config)
-        torch.cuda.synchronize()
-        check(f"copy_valid_rows[{_copy_name(config)}]", _copied_exactly(out, received, torch))
-        with torch.cuda.stream(stream):
-            copy_valid_rows(out, received, config)  # warm-up off the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(COPIES_PER_GRAPH):
-                copy_valid_rows(out, received, config)
-        times = []
-        for _ in range(args.samples):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / COPIES_PER_GRAPH)
-        results["configs"][_copy_name(config)] = round(statistics.median(times), 3)
-        del graph
-    # Pair the dispatch with a combine, so DeepEP's two LL buffers alternate as before.
-    zeros = torch.zeros(rows.shape, dtype=torch.bfloat16, device=rows.device)
-    buffer.low_latency_combine(zeros, ids_t, torch.from_dlpack(tw), handle)
-    torch.cuda.synchronize()
-    best = min(results["configs"], key=results["configs"].get)
-    results["best"], results["best_us"] = best, results["configs"][best]
-    results["default_us"] = results["configs"][_copy_name(dep_ll.VALID_ROWS_COPY)]
-    return results
-
-
 def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
     """Device time per round trip by kernel (us), and where the device idles, from a
     `jax.profiler` trace of `calls` waited calls of `round_trips` round trips each (kernels
@@ -521,34 +446,6 @@ def _chain_with(ll, n, x, y, tw, ids):
     return x
 
 
-def time_bridge(args, torch) -> dict:
-    """Host cost of the DLPack bridge alone: chains of `torch_callback`s that launch nothing,
-    with the LL combine's operand count (5 in, 1 out) and with one operand."""
-    from moe_jax.interop.bridge import torch_callback
-
-    n, out = args.burst, jax.ShapeDtypeStruct((args.tokens, args.hidden), jnp.bfloat16)
-    noop = torch_callback(lambda out, *args: None, out)
-    x = jnp.zeros((args.tokens, args.hidden), jnp.bfloat16)
-    extra = [jnp.ones((8,), jnp.float32) for _ in range(4)]
-
-    def chain(x, *extra):
-        for _ in range(n):
-            x = noop(x, *extra)
-        return x
-
-    results = {}
-    for name, operands in (("bridge_1in_us", ()), ("bridge_5in_us", tuple(extra))):
-        fn = jax.jit(chain)
-        timing = time_calls(
-            functools.partial(fn, x, *operands),
-            wait=jax.block_until_ready,
-            samples=args.samples,
-            burst=1,
-        )
-        results[name] = timing.streamed_ms * 1e3 / n
-    return results
-
-
 def time_layer(args, ll) -> dict:
     """The LL layer vs single-device fused_moe on the same tokens (jitted, streamed medians)."""
     from moe_jax.cli.timing import time_jax
@@ -587,11 +484,6 @@ def main() -> int:
         action="store_true",
         help="with --graph: device time and idle gaps by kernel of both chains (no layer timing)",
     )
-    parser.add_argument(
-        "--copy-sweep",
-        action="store_true",
-        help="time every ValidRowsCopyConfig of the receive copy alone (CUDA-graph replays)",
-    )
     parser.add_argument("--hang-timeout-s", type=float, default=240)
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.hang_timeout_s, exit=True)  # a hung collective
@@ -620,15 +512,6 @@ def main() -> int:
             ("dispatch_vs_direct", lambda: check_dispatch_against_direct(args, ll, buffer, torch)),
             ("layer_vs_fused_moe", lambda: check_layer(args, ll, torch)),
         ]
-        if args.copy_sweep:
-            steps.append(
-                (
-                    "copy_sweep",
-                    lambda: report(
-                        timing="copy", **time_copy_configs(args, problem, buffer, torch)
-                    ),
-                )
-            )
         if not (args.quick or args.skip_eager_timing):
             proxy = EventProxy(buffer, torch)
             for copy in ("valid_rows", "all_rows"):
@@ -645,7 +528,6 @@ def main() -> int:
                     )
                 )
             steps.append(("layer", lambda: report(timing="layer", **time_layer(args, ll))))
-            steps.append(("bridge", lambda: report(timing="bridge", **time_bridge(args, torch))))
         if args.graph and not args.quick:
             steps.append(
                 (

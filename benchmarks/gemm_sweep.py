@@ -20,25 +20,15 @@ active experts' FP8 weights and scales over the time), best first:
 This is the evidence behind `moe_jax.kernels.grouped_gemm.heuristic_config` and
 `moe_jax.kernels.mosaic_fp8_config.heuristic_config`. Without a GPU it
 runs the tiny shape in interpret mode (slow, but the command can be tested anywhere).
-
-`--ptxas` adds each Mosaic config's registers per thread, spilled bytes and any reason ptxas gives
-for serializing its wgmmas, from ptxas' own report when Mosaic GPU compiles it
-(`MOSAIC_GPU_DUMP_PTXAS`): spills and serialized wgmmas cost a kernel whose time follows its
-warpgroups' serial chains.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import json
 import math
-import os
-import re
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,77 +119,6 @@ MOSAIC_CANDIDATES = tuple(
     )
 )
 CANDIDATE_SETS = ("all", "pallas", "mosaic")
-PTXAS_ENV = "MOSAIC_GPU_DUMP_PTXAS"  # set while compiling: Mosaic GPU prints ptxas' report
-
-
-@dataclasses.dataclass(frozen=True)
-class PtxasUsage:
-    """ptxas' resource report of one compiled kernel.
-
-    Attributes:
-      registers: registers per thread (the most any function of the report uses).
-      spill_stores: bytes spilled to local memory, summed over the functions.
-      spill_loads: bytes loaded back from those spills.
-      wgmma_serialized: ptxas' reasons for serializing the wgmmas (its "Potential Performance
-        Loss" notes: each wgmma then waits for the previous one), empty if it did not.
-    """
-
-    registers: int
-    spill_stores: int
-    spill_loads: int
-    wgmma_serialized: tuple[str, ...] = ()
-
-
-def ptxas_usage(log: str) -> PtxasUsage | None:
-    """The resource usage in ptxas' verbose output (`ptxas -v`), None if `log` holds none."""
-    registers = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
-    if not registers:
-        return None
-    stores = sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", log))
-    loads = sum(int(m) for m in re.findall(r"(\d+) bytes spill loads", log))
-    serialized = re.findall(r"wgmma\.mma_async instructions are serialized due to ([^\n.]+)", log)
-    return PtxasUsage(
-        registers=max(registers),
-        spill_stores=stores,
-        spill_loads=loads,
-        wgmma_serialized=tuple(dict.fromkeys(s.strip() for s in serialized)),
-    )
-
-
-@contextlib.contextmanager
-def captured_stdout():
-    """Captures what is written to standard output, by Python and by native code (ptxas' report
-    comes from C++ on file descriptor 1), into the StringIO it yields."""
-    captured = io.StringIO()
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile(mode="w+") as sink:
-        os.dup2(sink.fileno(), 1)
-        try:
-            with contextlib.redirect_stdout(captured):
-                yield captured
-            sys.stdout.flush()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-            sink.seek(0)
-            captured.write(sink.read())
-
-
-@contextlib.contextmanager
-def ptxas_report():
-    """Runs a first (compiling) call with Mosaic GPU's ptxas report on; yields the StringIO that
-    collects what it prints to standard output."""
-    previous = os.environ.get(PTXAS_ENV)
-    os.environ[PTXAS_ENV] = "1"
-    try:
-        with captured_stdout() as printed:
-            yield printed
-    finally:
-        if previous is None:
-            del os.environ[PTXAS_ENV]
-        else:
-            os.environ[PTXAS_ENV] = previous
 
 
 def _layout(
@@ -261,7 +180,6 @@ def sweep_one(
     burst: int = BURST,
     alignment: int = ALIGNMENT,
     candidates: str = "all",
-    ptxas: bool = False,
 ) -> list[dict]:
     """Times the heuristic config and each of `CANDIDATES` on one contiguous-layout GEMM, and
     the Mosaic GPU kernel's `MOSAIC_CANDIDATES` where the layout and N allow them.
@@ -276,13 +194,11 @@ def sweep_one(
       alignment: the layout's segment multiple.
       candidates: "pallas" (the Pallas kernel's candidates), "mosaic" (the Mosaic kernel's) or
         "all"; the heuristic is always timed.
-      ptxas: compile each Mosaic config with ptxas' report on (`ptxas_report`).
 
     Returns:
-      [{config, us, gbs, rel_to_heuristic}], best first, Mosaic configs with `ptxas` also
-      the fields of `PtxasUsage` (or ptxas: why there are none); a config whose
-      output differs from the heuristic's by more than `TOLERANCE`, or that fails to run, is
-      {config, failed} at the end.
+      [{config, us, gbs, rel_to_heuristic}], best first; a config whose output differs from
+      the heuristic's by more than `TOLERANCE`, or that fails to run, is {config, failed} at
+      the end.
     """
     heuristic = heuristic_of(lay, w, alignment=alignment)
     configs = {"heuristic": heuristic}
@@ -334,19 +250,8 @@ def sweep_one(
     results = []
     for name, config in configs.items():
         fn = run(config)
-        usage = {}
-        reported = ptxas and isinstance(config, mosaic_fp8_gemm.MosaicFp8GemmConfig)
         try:
-            # the first call compiles: with `reported`, under ptxas' report
-            with ptxas_report() if reported else contextlib.nullcontext() as printed:
-                got = fn(*operands)
-            if reported:
-                report = ptxas_usage(printed.getvalue())
-                usage = (
-                    dataclasses.asdict(report)
-                    if report
-                    else dict(ptxas="no report (interpret mode, or not compiled by this call)")
-                )
+            got = fn(*operands)
             error = rel_error(got[valid], want[valid])
             if error > TOLERANCE:
                 results.append(dict(config=name, failed=f"differs from the heuristic: {error:.2e}"))
@@ -361,23 +266,9 @@ def sweep_one(
             results.append(dict(config=name, failed=f"{type(failure).__name__}: {failure}"[:200]))
             continue
         us = timing.streamed_ms * 1e3
-        results.append(
-            dict(config=name, us=us, gbs=num_bytes / us / 1e3, rel_to_heuristic=error, **usage)
-        )
+        results.append(dict(config=name, us=us, gbs=num_bytes / us / 1e3, rel_to_heuristic=error))
     results.sort(key=lambda r: r.get("us", float("inf")))
     return results
-
-
-def _usage(result: dict) -> str:
-    """ptxas' figures of a result, as printed after its time ("" without --ptxas)."""
-    if "registers" in result:
-        serialized = "; ".join(result["wgmma_serialized"])
-        return (
-            f" {result['registers']} registers, spills {result['spill_stores']} B stored"
-            f" {result['spill_loads']} B loaded"
-            + (f", wgmma serialized: {serialized}" if serialized else "")
-        )
-    return f" ptxas: {result['ptxas']}" if "ptxas" in result else ""
 
 
 def _describe(config: Any) -> str:
@@ -456,12 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="which configs beside the heuristic: the Pallas kernel's, the Mosaic GPU FP8 "
         "kernel's (64-row segments only) or both",
     )
-    parser.add_argument(
-        "--ptxas",
-        action="store_true",
-        help="report each Mosaic config's registers, spills and serialized wgmmas (ptxas, when "
-        "compiled on a GPU)",
-    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.samples < 1 or args.burst < 1:
@@ -507,7 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 interpret=not on_gpu,
                 alignment=alignment,
                 candidates=args.candidates,
-                ptxas=args.ptxas,
             )
             for r in results:
                 if "failed" in r:
@@ -515,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     print(
                         f"  {r['config']:<22} {r['us']:9.1f} us {r['gbs']:7.0f} GB/s "
-                        f"(vs heuristic {r['rel_to_heuristic']:.1e}){_usage(r)}",
+                        f"(vs heuristic {r['rel_to_heuristic']:.1e})",
                         flush=True,
                     )
             entry["results"] = results

@@ -1,9 +1,8 @@
-"""The tools of benchmarks/ (`python -m benchmarks.kernel_bench`, `.gemm_sweep`, `.interop_bench`,
+"""The tools of benchmarks/ (`python -m benchmarks.gemm_sweep`, `.interop_bench`,
 `.kernel_gaps`, `.stage_breakdown`, `.gather_bench`) on the CPU."""
 
 import doctest
 import json
-import os
 import shutil
 
 import jax
@@ -17,32 +16,8 @@ from moe_jax.kernels import mosaic_fp8_gemm
 gather_bench = script_modules.benchmark("gather_bench")
 gemm_sweep = script_modules.benchmark("gemm_sweep")
 interop_bench = script_modules.benchmark("interop_bench")
-kernel_bench = script_modules.benchmark("kernel_bench")
 kernel_gaps = script_modules.benchmark("kernel_gaps")
 stage_breakdown = script_modules.benchmark("stage_breakdown")
-
-
-@pytest.mark.slow
-def test_kernel_bench_tiny_interpret_checks_every_kernel(capsys):
-    assert kernel_bench.main(["--tiny", "--interpret", "--copy-bytes", "4096"]) == 0
-    out = capsys.readouterr().out
-    lines = {
-        line.split(" | ")[0].strip("| "): line for line in out.splitlines() if "| tiny |" in line
-    }
-    assert set(lines) == {
-        "permute",
-        "metadata",
-        "unpermute",
-        "group_quant",
-        "act_and_quant",
-        "act_and_quant ids",
-    }
-    # Interpret mode runs the kernels' arithmetic: the layouts and quantized bytes are exact.
-    permutes = [line for line in out.splitlines() if line.startswith("| permute | tiny")]
-    assert len(permutes) == 2 and all(line.endswith("| exact |") for line in permutes)
-    assert "| ok max abs err" in lines["unpermute"]
-    assert lines["group_quant"].endswith("| exact |")
-    assert lines["metadata"].endswith("| exact |")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
@@ -92,7 +67,7 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     monkeypatch.setattr(gemm_sweep, "MOSAIC_CANDIDATES", (groups[1], groups[2]))
     path = tmp_path / "sweep.json"
     argv = ["--shape", "tiny", "--tokens", "2", "--gemms", "2", "--samples", "1", "--burst", "1"]
-    argv += ["--alignment", "64", "--candidates", "mosaic", "--ptxas", "--json", str(path)]
+    argv += ["--alignment", "64", "--candidates", "mosaic", "--json", str(path)]
     assert gemm_sweep.main(argv) == 0
     (entry,) = json.loads(path.read_text())["report"]
     names = {r["config"] for r in entry["results"]}
@@ -103,37 +78,6 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     (own,) = [n for n in names if n.endswith("[mosaic heuristic]")]
     assert own.startswith(gemm_sweep._describe(mosaic_fp8_gemm.MosaicFp8GemmConfig()))
     assert all("failed" not in r for r in entry["results"]), entry["results"]
-    # --ptxas: ptxas' registers where Mosaic GPU compiled the kernel, else why there are none
-    mosaic = [r for r in entry["results"] if r["config"].startswith("mosaic")]
-    if jax.default_backend() == "gpu":
-        assert all(r["registers"] > 0 and r["spill_stores"] >= 0 for r in mosaic), mosaic
-    else:
-        assert all(r["ptxas"].startswith("no report") for r in mosaic), mosaic
-    assert gemm_sweep.PTXAS_ENV not in os.environ
-
-
-PTXAS_LOG = """ptxas info    : 0 bytes gmem
-ptxas info    : Compiling entry function 'mosaic_gpu_body' for 'sm_90a'
-ptxas info    : Function properties for mosaic_gpu_body
-    24 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads
-ptxas info    : Used 168 registers, used 1 barriers, 392 bytes cmem[0]
-ptxas info    : Function properties for helper
-    0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
-ptxas info    : Used 40 registers
-"""
-SERIALIZED = (
-    "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
-    "serialized due to insufficient register resources for the wgmma pipeline in the function "
-    "'mosaic_gpu_body'\n"
-)
-
-
-def test_ptxas_usage_reads_registers_spills_and_serialized_wgmma():
-    usage = gemm_sweep.ptxas_usage(PTXAS_LOG)
-    assert usage == gemm_sweep.PtxasUsage(registers=168, spill_stores=32, spill_loads=24)
-    assert gemm_sweep.ptxas_usage("no compiler output here") is None
-    (reason,) = gemm_sweep.ptxas_usage(PTXAS_LOG + SERIALIZED * 2).wgmma_serialized
-    assert reason.startswith("insufficient register resources for the wgmma pipeline")
 
 
 def test_gemm_sweep_defaults_to_the_layers_own_alignment():
