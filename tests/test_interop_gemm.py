@@ -18,9 +18,6 @@ from gemm_problems import RoutedProblem
 from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.grouped_gemm import GEMMS
 
-TORCH_REASON = "the torch backend needs torch (pip install 'moe_jax[torch]')"
-
-
 GPU_PROBLEMS = [
     RoutedProblem("gpu_small", 200, 4, 8, 256, 512, 128),
     RoutedProblem("gpu_wide", 96, 2, 4, 512, 1024, 128),
@@ -91,40 +88,9 @@ def _problem_for(backend_layout, problem, dtype, *, max_m=None):
     )
 
 
-# ---------------------------------------------------------------- torch backend (CPU and GPU)
-
-
-@pytest.fixture(scope="module")
-def torch_gemm():
-    pytest.importorskip("torch", reason=TORCH_REASON)
-    return GEMMS.get("torch")
-
-
-def _skip_if_refused(backend, problem):
-    if (why := backend.unsupported_reason(problem)) is not None:
-        pytest.skip(f"{backend.name} refuses: {why}")
-
-
-# The torch backend against the float64 loops (both layouts, every dtype, forward and VJP) is
-# tests/test_contract_grouped_gemm.py's, as every GEMMS name's.
-
-
-def test_torch_zero_rows_need_no_library_call(torch_gemm):
-    w = jnp.ones((3, 16, 128), jnp.float32)
-    y = torch_gemm.contiguous(
-        jnp.zeros((0, 128)),
-        w,
-        jnp.zeros((0,), jnp.int32),
-        jnp.zeros((3,), jnp.int32),
-        alignment=4,
-        out_dtype=jnp.bfloat16,
-    )
-    assert y.shape == (0, 16) and y.dtype == jnp.bfloat16
-    y = torch_gemm.masked(
-        jnp.zeros((3, 0, 128)), w, jnp.zeros((3,), jnp.int32), out_dtype=jnp.float32
-    )
-    assert y.shape == (3, 0, 16)
-
+# ---------------------------------------------------------------- torch backend: refusals
+# (its results against the float64 loops, both layouts, every dtype, no rows, forward and VJP,
+# are tests/test_contract_grouped_gemm.py's, as every GEMMS name's)
 
 GPU_F32 = grouped_gemm.GemmProblem(
     layout="masked",
