@@ -63,6 +63,12 @@ def peer_layer(name: str) -> Callable:
     (x, w1 [E, H, 2I], w2 [E, I, H], topk_weights, topk_ids) -> [T, H]. Check
     `unavailable_reason` first."""
     import tokamax
+    from absl import flags
+
+    # tokamax reads its options as absl flags and, unless parsed, parses sys.argv for them (its
+    # `_ConfigOption.value`), which fails on the bench's own options: keep its defaults.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
     def ragged_dot(rows, w, sizes):
         return tokamax.ragged_dot(

@@ -1,0 +1,154 @@
+"""The tokamax bench peer (`moe_jax.cli.tokamax_peer`): its layer against the float64 oracles, its
+skip reasons, and its rows in `bench`, `bench --train` and `bench --decode` on the CPU."""
+
+import importlib.util
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import oracles
+import pytest
+
+from moe_jax.cli import decode_bench, layer_bench, layer_report, tokamax_peer, train_bench
+
+HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None
+PEERS = list(tokamax_peer.PEERS)
+# relative Frobenius error against the oracle with the same rounding points (bf16: GEMM outputs
+# and act * up rounded to bf16, as both do; the difference is accumulation order)
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+T, E, K, H, I = 24, 6, 2, 64, 32  # noqa: E741 - DESIGN.md's names; ids leave expert 5 empty
+
+
+def _lax(rows, w, sizes):  # jax.lax.ragged_dot on [E, K, N] weights, as tokamax takes them
+    return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=rows.dtype)
+
+
+IMPLS = {
+    "lax": lambda *a: tokamax_peer.sorted_moe(*a, ragged_dot=_lax),
+    "tokamax": lambda *a: tokamax_peer.peer_layer("tokamax")(*a),  # its XLA fallback on a CPU
+}
+PARAMS = [
+    pytest.param("lax"),
+    pytest.param("tokamax", marks=pytest.mark.skipif(not HAS_TOKAMAX, reason="needs tokamax")),
+]
+
+
+def _inputs(dtype):
+    rng = np.random.default_rng(oracles.seed("tokamax_peer", str(dtype)))
+    x = rng.normal(size=(T, H)).astype(dtype)
+    w1 = (rng.normal(size=(E, 2 * I, H)) * H**-0.5).astype(dtype)
+    w2 = (rng.normal(size=(E, H, I)) * I**-0.5).astype(dtype)
+    ids = np.stack([rng.permutation(E - 1)[:K] for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)
+    return x, w1, w2, weights, ids
+
+
+def _error(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("impl", PARAMS)
+@pytest.mark.parametrize("dtype", list(TOL), ids=["f32", "bf16"])
+def test_peer_layer_matches_the_oracle(impl, dtype):
+    x, w1, w2, weights, ids = _inputs(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32)
+    w1t, w2t = tokamax_peer.to_kn(jnp.asarray(w1), jnp.asarray(w2))
+    got = jax.jit(IMPLS[impl])(jnp.asarray(x), w1t, w2t, weights, ids)
+    assert got.dtype == dtype and got.shape == (T, H)
+    assert _error(got, oracles.fused_moe(x, w1, w2, weights, ids)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", PARAMS)
+def test_peer_gradients_match_float64(impl):
+    """jax.grad through the peer (tokamax's own VJP for "tokamax") against the float64 oracle's;
+    the weight gradients come back in tokamax's [E, K, N] layout."""
+    x, w1, w2, weights, ids = _inputs(np.float32)
+    probe = np.random.default_rng(1).normal(size=(T, H))
+
+    def grads(layer, probe, *args):
+        loss = lambda *a: jnp.sum(layer(*a, ids) * probe)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+    w1t, w2t = tokamax_peer.to_kn(jnp.asarray(w1), jnp.asarray(w2))
+    dx, dw1, dw2, dtw = jax.jit(grads, static_argnums=0)(
+        IMPLS[impl], jnp.asarray(probe, jnp.float32), jnp.asarray(x), w1t, w2t, jnp.asarray(weights)
+    )
+    got = (dx, *tokamax_peer.to_kn(dw1, dw2), dtw)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(a, jnp.float64) for a in (probe, x, w1, w2, weights)]
+        want = [np.asarray(g) for g in grads(oracles.fused_moe_jnp, *f64)]
+    for name, g, w in zip(("x", "w1", "w2", "topk_weights"), got, want, strict=True):
+        assert _error(g, w) <= 1e-5, name
+
+
+def test_skip_reasons(monkeypatch):
+    if HAS_TOKAMAX:
+        assert tokamax_peer.unavailable_reason("tokamax") is None  # its XLA fallback runs anywhere
+        on_gpu = jax.default_backend() == "gpu"
+        for name in ("tokamax_mosaic", "tokamax_triton"):
+            assert tokamax_peer.unavailable_reason(name) == (
+                None if on_gpu else "needs an NVIDIA GPU"
+            )
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # `import tokamax` raises
+    for name in PEERS:
+        assert tokamax_peer.unavailable_reason(name).startswith(
+            "needs the peers extra: pip install -e '.[peers]'"
+        )
+
+
+def test_best_tokamax_row_is_a_baseline():
+    rows = [
+        dict(shape="B", variant="jax_mosaic_bf16", ms=4.0),
+        dict(shape="B", variant="tokamax_triton", ms=2.0),
+        dict(shape="B", variant="tokamax", ms=3.0),
+        dict(shape="B", variant="moe_jax_bf16", ms=1.0),
+    ]
+    layer_bench._add_ratios(rows)
+    assert [r["vs_best_baseline"] for r in rows] == [0.5, 1.0, 2 / 3, 2.0]
+
+
+def _check_rows(rows: dict, error_key: str, tol: float):
+    """The three peer rows: run and checked where they can, else the reason."""
+    for name in PEERS:
+        row = rows[name]
+        if not HAS_TOKAMAX:
+            assert row["skipped"].startswith("needs the peers extra"), row
+        elif name != "tokamax" and jax.default_backend() != "gpu":
+            assert row["skipped"] == "needs an NVIDIA GPU", row
+        else:
+            errors = [row[k] for k in row if k.startswith(error_key)]
+            assert "skipped" not in row and errors and max(errors) < tol, row
+
+
+@pytest.mark.slow
+def test_peer_rows_in_the_benches(tmp_path, capsys):
+    rows = layer_bench.run(["small"], PEERS, iters=1)
+    _check_rows({r["variant"]: r for r in rows}, "rel_err", 0.02)
+    rows = train_bench.run("small", PEERS, iters=1)
+    _check_rows({r["variant"]: r for r in rows}, "err_d", 0.02)
+    assert train_bench.format_table(rows).count("needs ") <= 1  # one reason, printed once
+    path, variants = tmp_path / "d.json", [*PEERS, "auto_bf16"]  # bf16 weights, dequantized
+    assert (
+        decode_bench.run_decode_bench(
+            tokens=[2], iters=1, json_path=str(path), shape="tiny", variants=variants
+        )
+        == 0
+    )
+    (row,) = json.loads(path.read_text())["rows"]
+    _check_rows(row["variants"], "rel_error", 0.02)
+    assert row["variants"]["auto_bf16"]["rel_error"] < 0.02
+    table = capsys.readouterr().out
+    assert "| tokamax us | tokamax_mosaic us | tokamax_triton us |" in table
+    assert table.count("needs ") <= 1
+
+
+def test_every_peer_skips_once_without_tokamax(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokamax", None)
+    rows = layer_bench.run(["small"], PEERS, iters=1)
+    assert [r["skipped"][:21] for r in rows] == ["needs the peers extra"] * 3
+    notes = layer_report.format_table(rows).splitlines()
+    assert sum(line.startswith("[1] needs the peers extra") for line in notes) == 1
+    assert not any(line.startswith("[2]") for line in notes)
