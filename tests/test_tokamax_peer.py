@@ -87,25 +87,19 @@ def test_peer_gradients_match_float64(impl):
 def test_skip_reasons(monkeypatch):
     if HAS_TOKAMAX:
         assert tokamax_peer.unavailable_reason("tokamax") is None  # its XLA fallback runs anywhere
-        on_gpu = jax.default_backend() == "gpu"
-        for name in ("tokamax_mosaic", "tokamax_triton"):
-            assert tokamax_peer.unavailable_reason(name) == (
-                None if on_gpu else "needs an NVIDIA GPU"
-            )
+        want = None if jax.default_backend() == "gpu" else "needs an NVIDIA GPU"
+        assert [tokamax_peer.unavailable_reason(n) for n in PEERS[1:]] == [want] * 2
     monkeypatch.setitem(sys.modules, "tokamax", None)  # `import tokamax` raises
-    for name in PEERS:
-        assert tokamax_peer.unavailable_reason(name).startswith(
-            "needs the peers extra: pip install -e '.[peers]'"
-        )
+    rows = layer_bench.run(["small"], PEERS, iters=1)
+    assert [r["skipped"] for r in rows] == [tokamax_peer.unavailable_reason("tokamax")] * 3
+    assert rows[0]["skipped"].startswith("needs the peers extra: pip install -e '.[peers]'")
+    notes = [line for line in layer_report.format_table(rows).splitlines() if line[:1] == "["]
+    assert len(notes) == 1  # the reason once, below the table
 
 
 def test_best_tokamax_row_is_a_baseline():
-    rows = [
-        dict(shape="B", variant="jax_mosaic_bf16", ms=4.0),
-        dict(shape="B", variant="tokamax_triton", ms=2.0),
-        dict(shape="B", variant="tokamax", ms=3.0),
-        dict(shape="B", variant="moe_jax_bf16", ms=1.0),
-    ]
+    times = {"jax_mosaic_bf16": 4.0, "tokamax_triton": 2.0, "tokamax": 3.0, "moe_jax_bf16": 1.0}
+    rows = [dict(shape="B", variant=name, ms=ms) for name, ms in times.items()]
     layer_bench._add_ratios(rows)
     assert [r["vs_best_baseline"] for r in rows] == [0.5, 1.0, 2 / 3, 2.0]
 
@@ -131,24 +125,13 @@ def test_peer_rows_in_the_benches(tmp_path, capsys):
     _check_rows({r["variant"]: r for r in rows}, "err_d", 0.02)
     assert train_bench.format_table(rows).count("needs ") <= 1  # one reason, printed once
     path, variants = tmp_path / "d.json", [*PEERS, "auto_bf16"]  # bf16 weights, dequantized
-    assert (
-        decode_bench.run_decode_bench(
-            tokens=[2], iters=1, json_path=str(path), shape="tiny", variants=variants
-        )
-        == 0
+    status = decode_bench.run_decode_bench(
+        tokens=[2], iters=1, json_path=str(path), shape="tiny", variants=variants
     )
+    assert status == 0
     (row,) = json.loads(path.read_text())["rows"]
     _check_rows(row["variants"], "rel_error", 0.02)
     assert row["variants"]["auto_bf16"]["rel_error"] < 0.02
     table = capsys.readouterr().out
     assert "| tokamax us | tokamax_mosaic us | tokamax_triton us |" in table
     assert table.count("needs ") <= 1
-
-
-def test_every_peer_skips_once_without_tokamax(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tokamax", None)
-    rows = layer_bench.run(["small"], PEERS, iters=1)
-    assert [r["skipped"][:21] for r in rows] == ["needs the peers extra"] * 3
-    notes = layer_report.format_table(rows).splitlines()
-    assert sum(line.startswith("[1] needs the peers extra") for line in notes) == 1
-    assert not any(line.startswith("[2]") for line in notes)

@@ -22,7 +22,6 @@ to bf16 (twice the bytes the limit counts); they run only when named in --varian
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -145,24 +144,18 @@ def layer_fn(experts: str):
     return jax.jit(forward)
 
 
-@functools.partial(jax.jit, static_argnames="kn")
-def _dequant_bf16(w, scale, *, kn: bool):
-    w = quant.dequant_per_block(w, scale).astype(jnp.bfloat16)
-    return jnp.swapaxes(w, 1, 2) if kn else w
-
-
 def bf16_weights(weights: ExpertWeights, variants: Sequence[str]) -> dict:
     """The FP8 weights dequantized to bf16, once, for the variants that read bf16: "experts"
     (`ExpertWeights`, moe_jax's layout) for "<experts>_bf16" names, "kn" ((w1 [E, H, 2I],
-    w2 [E, I, H]), tokamax's layout) for the tokamax peers."""
-    layouts = {"experts": False} if any(v.endswith(BF16_SUFFIX) for v in variants) else {}
-    if any(v in tokamax_peer.PEERS and not tokamax_peer.unavailable_reason(v) for v in variants):
-        layouts["kn"] = True
+    w2 [E, I, H]), tokamax's layout) for the tokamax peers that run here."""
+    dequant = jax.jit(lambda w, s: quant.dequant_per_block(w, s).astype(jnp.bfloat16))
+    w = ((weights.w1, weights.w1_scale), (weights.w2, weights.w2_scale))
     out = {}
-    for layout, kn in layouts.items():
-        w1 = _dequant_bf16(weights.w1, weights.w1_scale, kn=kn)
-        w2 = _dequant_bf16(weights.w2, weights.w2_scale, kn=kn)
-        out[layout] = (w1, w2) if kn else ExpertWeights(w1=w1, w2=w2)
+    if any(v.endswith(BF16_SUFFIX) for v in variants):
+        out["experts"] = ExpertWeights(w1=dequant(*w[0]), w2=dequant(*w[1]))
+    if any(v in tokamax_peer.PEERS and not tokamax_peer.unavailable_reason(v) for v in variants):
+        kn = jax.jit(lambda w, s: jnp.swapaxes(dequant(w, s), 1, 2))  # one fused pass each
+        out["kn"] = (kn(*w[0]), kn(*w[1]))
     return out
 
 
