@@ -59,7 +59,7 @@ def unavailable_reason(name: str) -> str | None:
 
 
 def peer_layer(name: str) -> Callable:
-    """`sorted_moe` through `tokamax.ragged_dot(implementation=PEERS[name])`, bf16 out:
+    """`sorted_moe` through `tokamax.ragged_dot(implementation=PEERS[name])`, in x's dtype:
     (x, w1 [E, H, 2I], w2 [E, I, H], topk_weights, topk_ids) -> [T, H]. Check
     `unavailable_reason` first."""
     import tokamax
