@@ -8,6 +8,7 @@ Where vLLM rounds (bf16 GEMM outputs, FP8 quantization), the oracle rounds at th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -445,6 +446,84 @@ def fused_moe(
             y = round_to(w2f[e] @ a, mid)
             out[t] += w * y
     return out
+
+
+# Layer outputs against `fused_moe` rounded to the output dtype (outputs are O(1)): float32 to its
+# rounding; bf16 and FP8 to about two bf16 ulps (one intermediate rounding that flips). FP8 lets
+# FP8_FLIP_ROWS rows per call reach FP8_LOOSE_TOL: float32 against float64 GEMM1 sums can flip one
+# bf16 intermediate, whose requantization moves one FP8 code of one (token, slot) by 6% and that
+# token's row by up to ~5e-2 (within vLLM's own FP8 tolerance).
+MOE_TOL = {
+    "float32": dict(rtol=1e-5, atol=1e-5),
+    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),
+    "fp8": dict(rtol=1.6e-2, atol=1.6e-2),
+}
+FP8_FLIP_ROWS = 1
+FP8_LOOSE_TOL = dict(rtol=6e-2, atol=6e-2)
+
+
+def assert_moe_close(out, ref, dtype: str, *, tol: dict | None = None) -> None:
+    """A [T, H] layer output against float64 `ref` within `tol` (default MOE_TOL[dtype]); FP8
+    with the flipped-row allowance above."""
+    out, tol = np.asarray(out).astype(np.float64), tol or MOE_TOL[dtype]
+    if dtype != "fp8":
+        np.testing.assert_allclose(out, ref, **tol)
+        return
+    is_bad = np.abs(out - ref) > tol["atol"] + tol["rtol"] * np.abs(ref)
+    bad_rows = np.flatnonzero(is_bad.any(axis=-1))
+    assert len(bad_rows) <= FP8_FLIP_ROWS, f"rows {bad_rows} exceed {tol}"
+    np.testing.assert_allclose(out, ref, **FP8_LOOSE_TOL)
+
+
+@dataclasses.dataclass
+class MoeInputs:
+    """A layer's NumPy inputs (`moe_inputs`); the scales are None for float weights."""
+
+    x: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
+    w1_scale: np.ndarray | None
+    w2_scale: np.ndarray | None
+    topk_weights: np.ndarray
+    topk_ids: np.ndarray
+
+    def args(self) -> list:
+        """jnp (x, w1, w2, topk_weights, topk_ids): `fused_moe`'s positional arguments."""
+        arrays = (self.x, self.w1, self.w2, self.topk_weights, self.topk_ids)
+        return [jnp.asarray(a) for a in arrays]
+
+    def scales(self) -> dict:
+        """jnp w1_scale and w2_scale, the ones given."""
+        named = dict(w1_scale=self.w1_scale, w2_scale=self.w2_scale)
+        return {k: jnp.asarray(v) for k, v in named.items() if v is not None}
+
+    def expected(self, **kwargs) -> np.ndarray:
+        """`fused_moe` (this module's, with `kwargs`) rounded to x's dtype."""
+        ref = fused_moe(
+            self.x, self.w1, self.w2, self.topk_weights, self.topk_ids,
+            w1_scale=self.w1_scale, w2_scale=self.w2_scale, **kwargs,
+        )  # fmt: skip
+        return round_to(ref, self.x.dtype)
+
+
+def moe_inputs(shape, dtype: str, rng, *, id_low: int = 0, id_high: int | None = None):
+    """`MoeInputs` of shape (T, H, I, E, k): float32 values of unit-scale outputs in `dtype`
+    ("float32", "bfloat16", or "fp8": bf16 tokens, weights block-quantized), ids with duplicates
+    from [id_low, id_high) (default E), normal router weights (negative ones included)."""
+    t, h, i, e, k = shape
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    w1 = (rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(np.float32)
+    w2 = (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32)
+    w1_scale = w2_scale = None
+    if dtype == "fp8":
+        x = x.astype(BF16)
+        w1, w1_scale = per_block_quant_fp8(w1)
+        w2, w2_scale = per_block_quant_fp8(w2)
+    elif dtype == "bfloat16":
+        x, w1, w2 = (a.astype(BF16) for a in (x, w1, w2))
+    ids = rng.integers(id_low, e if id_high is None else id_high, (t, k)).astype(np.int32)
+    weights = rng.standard_normal((t, k)).astype(np.float32)
+    return MoeInputs(x, w1, w2, w1_scale, w2_scale, weights, ids)
 
 
 def fused_moe_jnp(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False):

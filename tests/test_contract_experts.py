@@ -11,9 +11,9 @@ a "<gemm>+<fused>" name is thus run in its place, and every part has its own op 
 whose plan refuses the problem here (a GPU kernel on a CPU, a fused GEMM1 on bf16) skips with
 the plan's reason; "auto", "xla" and "xla_masked" never may.
 
-Tolerances (`assert_moe_close`): bf16 two bf16 ulps; FP8 the same, except one (token) row per
-call within vLLM's own FP8 tolerance, where float32 vs float64 accumulation moved one
-requantized code. Gradients: relative Frobenius error 3e-2 (bf16 roundings, as vLLM's).
+Tolerances: `oracles.assert_moe_close` (bf16 two bf16 ulps; FP8 the same, but for one token row
+per call within vLLM's own FP8 tolerance, where float32 vs float64 accumulation moved one
+requantized code). Gradients: relative Frobenius error 3e-2 (bf16 roundings, as vLLM's).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ def _contract_names() -> list[str]:
 
 
 NAMES = name_params(_contract_names())
-TOL = {"bfloat16": dict(rtol=1.6e-2, atol=1.6e-2), "fp8": dict(rtol=1.6e-2, atol=1.6e-2)}
-FP8_FLIP_ROWS, FP8_LOOSE_TOL = 1, dict(rtol=6e-2, atol=6e-2)
 GRAD_TOL = 3e-2
 
 
@@ -109,18 +107,6 @@ def _run_or_skip(name: str, fn):
         pytest.skip(f"{name}: {error}")
 
 
-def assert_moe_close(out, ref, dtype: str):
-    out = np.asarray(out).astype(np.float64)
-    tol = TOL[dtype]
-    if dtype != "fp8":
-        np.testing.assert_allclose(out, ref, **tol)
-        return
-    is_bad = np.abs(out - ref) > tol["atol"] + tol["rtol"] * np.abs(ref)
-    bad_rows = np.flatnonzero(is_bad.any(axis=-1))
-    assert len(bad_rows) <= FP8_FLIP_ROWS, f"rows {bad_rows} exceed {tol}"
-    np.testing.assert_allclose(out, ref, **FP8_LOOSE_TOL)
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
 @pytest.mark.parametrize("problem", PROBLEMS, ids=str)
@@ -140,7 +126,7 @@ def test_experts_match_the_float64_loop(name, dtype, problem):
     out = _run_or_skip(name, lambda: run(*arrays, **kwargs))
     assert out.shape == x.shape and out.dtype == jnp.bfloat16
     ref = oracles.fused_moe(x, w1, w2, weights, ids, expert_map=expert_map, **scales)
-    assert_moe_close(out.astype(jnp.float32), oracles.round_to(ref, oracles.BF16), dtype)
+    oracles.assert_moe_close(out.astype(jnp.float32), oracles.round_to(ref, oracles.BF16), dtype)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_fused_moe import Problem, assert_close, expected, make_inputs
+from oracles import assert_moe_close, moe_inputs
+from test_fused_moe import Problem
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, fused_moe, layouts
 from moe_jax.experts import ExpertWeights
@@ -32,36 +33,23 @@ GPU_PROBLEM = Problem("T300_H512_I256_E8_k4", 300, 512, 256, 8, 4)
 
 
 def _call(layer, inputs, **kwargs):
-    arrays = [
-        jnp.asarray(a)
-        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
-    ]
-    scales = {
-        k: None if v is None else jnp.asarray(v)
-        for k, v in dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale).items()
-    }
-    return np.asarray(jax.jit(lambda *a: layer(*a, **scales, **kwargs))(*arrays))
+    scales = inputs.scales()
+    return np.asarray(jax.jit(lambda *a: layer(*a, **scales, **kwargs))(*inputs.args()))
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "bfloat16", "float32"])
 def test_interpret_pipeline_matches_oracle(dtype):
     """On a GPU host the XLA GEMM runs there too: float32 dots in float32, not TF32."""
-    # ids in [-1, E + 2): duplicates, negative and out-of-range ids; weights include negatives.
-    inputs = make_inputs(
-        CPU_PROBLEM,
-        dtype,
-        np.random.default_rng(11),
-        id_low=-1,
-        id_high=CPU_PROBLEM.num_experts + 2,
-    )
+    # ids in [-1, E + 2) (E = 4): duplicates, negative and out-of-range ids, negative weights.
+    inputs = moe_inputs(CPU_PROBLEM.shape, dtype, np.random.default_rng(11), id_low=-1, id_high=6)
     with jax.default_matmul_precision("highest"):
         out = _call(INTERPRET, inputs)
-    assert_close(out, expected(inputs), dtype)
+    assert_moe_close(out, inputs.expected(), dtype)
 
 
 @pytest.mark.cpu_numerics
 def test_interpret_pipeline_equals_xla_pipeline_bitwise_on_fp8():
-    inputs = make_inputs(CPU_PROBLEM, "fp8", np.random.default_rng(12))
+    inputs = moe_inputs(CPU_PROBLEM.shape, "fp8", np.random.default_rng(12))
     xla = ModularMoE(
         NoEPPrepareFinalize(quant_impl="xla"),
         ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla"),
@@ -96,18 +84,14 @@ def _pallas_calls(jaxpr) -> dict[str, list[tuple[int, ...]]]:
 def test_scales_layout_follows_the_gemm_and_keeps_the_values(gemm):
     """A GEMM that reads scales group-major gets them written so by the permute and the act*up
     + quantize kernels ([G, M] outputs), and the layer's output keeps every bit."""
-    inputs = make_inputs(CPU_PROBLEM, "fp8", np.random.default_rng(16))
+    inputs = moe_inputs(CPU_PROBLEM.shape, "fp8", np.random.default_rng(16))
     layer = ModularMoE(
         NoEPPrepareFinalize(quant_impl="pallas_interpret"),
         ContiguousExperts(
             gemm=gemm, permute_impl="pallas_interpret", act_quant_impl="pallas_interpret"
         ),
     )
-    arrays = [
-        jnp.asarray(a)
-        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
-    ]
-    scales = dict(w1_scale=jnp.asarray(inputs.w1_scale), w2_scale=jnp.asarray(inputs.w2_scale))
+    arrays, scales = inputs.args(), inputs.scales()
     calls = _pallas_calls(jax.make_jaxpr(lambda *a: layer(*a, **scales))(*arrays).jaxpr)
     p = CPU_PROBLEM
     rows = layouts.contiguous_num_rows(p.num_tokens, p.topk, p.num_experts, gemm.alignment)
@@ -130,7 +114,7 @@ def assert_close_gpu(out, ref, dtype: str):
     held to whole-output bounds: vLLM's DeepGEMM test bound calc_diff < 1e-3, a relative
     Frobenius error < 2e-2, and no element off by more than 5% of the largest |ref|."""
     if dtype != "fp8":
-        assert_close(out, ref, dtype)
+        assert_moe_close(out, ref, dtype)
         return
     out = np.asarray(out).astype(np.float64)
     calc_diff = 1 - 2 * np.sum(out * ref) / np.sum(out * out + ref * ref)
@@ -142,13 +126,7 @@ def assert_close_gpu(out, ref, dtype: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp8", "bfloat16"])
 def test_auto_fast_path_on_gpu_matches_oracle(dtype):
-    inputs = make_inputs(
-        GPU_PROBLEM,
-        dtype,
-        np.random.default_rng(13),
-        id_low=-1,
-        id_high=GPU_PROBLEM.num_experts + 1,
-    )
+    inputs = moe_inputs(GPU_PROBLEM.shape, dtype, np.random.default_rng(13), id_low=-1, id_high=9)
     weights = ExpertWeights(w1=jnp.asarray(inputs.w1), w2=jnp.asarray(inputs.w2))
     chosen = resolve_experts("auto")
     x_dtype = jnp.float8_e4m3fn if dtype == "fp8" else jnp.asarray(inputs.x).dtype
@@ -159,7 +137,7 @@ def test_auto_fast_path_on_gpu_matches_oracle(dtype):
         assert gemm1.name == "deep_gemm"
     assert gemm1.name != "xla", "a GPU with torch or Mosaic must not fall back to the XLA loop"
     out = _call(ModularMoE(NoEPPrepareFinalize(), chosen), inputs)
-    assert_close_gpu(out, expected(inputs), dtype)
+    assert_close_gpu(out, inputs.expected(), dtype)
 
 
 def _scale_copies(hlo: str, num_groups: int, num_rows: int) -> list[str]:
@@ -186,17 +164,13 @@ def test_fp8_scales_reach_the_gemms_without_a_transpose(gemm):
     if gemm == "deep_gemm" and not _has("deep_gemm"):
         pytest.skip("deep_gemm is not installed")
     problem = Problem("T64_H512_I256_E4_k2", 64, 512, 256, 4, 2)
-    inputs = make_inputs(problem, "fp8", np.random.default_rng(15))
+    inputs = moe_inputs(problem.shape, "fp8", np.random.default_rng(15))
     experts = ContiguousExperts(gemm=gemm)
     weights = ExpertWeights(w1=jnp.asarray(inputs.w1), w2=jnp.asarray(inputs.w2))
     alignment = experts.plan_for(
         weights, num_tokens=problem.num_tokens, topk=problem.topk, x_dtype=jnp.float8_e4m3fn
     ).alignment
-    arrays = [
-        jnp.asarray(a)
-        for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
-    ]
-    scales = dict(w1_scale=jnp.asarray(inputs.w1_scale), w2_scale=jnp.asarray(inputs.w2_scale))
+    arrays, scales = inputs.args(), inputs.scales()
     layer = jax.jit(lambda *a: fused_moe(*a, **scales, experts=experts))
     hlo = layer.lower(*arrays).compile().as_text()
     num_rows = layouts.contiguous_num_rows(
@@ -204,7 +178,7 @@ def test_fp8_scales_reach_the_gemms_without_a_transpose(gemm):
     )
     for groups in (problem.hidden // 128, problem.inter // 128):
         assert _scale_copies(hlo, groups, num_rows) == [], (gemm, alignment)
-    assert_close_gpu(np.asarray(layer(*arrays)), expected(inputs), "fp8")
+    assert_close_gpu(np.asarray(layer(*arrays)), inputs.expected(), "fp8")
 
 
 def test_scale_copies_finds_a_transpose():

@@ -1,7 +1,10 @@
 """`moe_jax.fused_moe` (and `ModularMoE` under it) against the float64 loop in `oracles.fused_moe`.
 
 The oracle rounds where vLLM rounds (bf16 GEMM outputs, act*up in the activation dtype, FP8 block
-quantization of both GEMM inputs), so each dtype is held to a tolerance close to its own rounding.
+quantization of both GEMM inputs), so each dtype is held to a tolerance close to its own rounding
+(`oracles.MOE_TOL`). Ids outside [0, E) and expert_map holes, for every experts name, are
+tests/test_contract_experts.py's; here the float32 layer, eager calls, chunking, weight on input,
+gelu, the masked layout's capacity and the argument checks.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
+from oracles import MoeInputs, assert_moe_close, moe_inputs
 
 from moe_jax import ContiguousExperts, ModularMoE, NoEPPrepareFinalize, experts_names, fused_moe
 from moe_jax.reference import moe_reference
@@ -30,18 +34,6 @@ EXPERTS_BY_ID = {
 }
 EXPERTS = [pytest.param(e, id=name) for name, e in EXPERTS_BY_ID.items()]
 
-# Output tolerances against the oracle rounded to the output dtype (outputs are O(1)).
-TOL = {
-    "float32": dict(rtol=1e-5, atol=1e-5),
-    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),  # ~2 bf16 ulps: one intermediate rounding flip
-    "fp8": dict(rtol=1.6e-2, atol=1.6e-2),  # same; an unquantized reference would need ~6e-2
-}
-# FP8 only: float32 vs float64 GEMM1 accumulation can flip one bf16 intermediate by an ulp, and
-# the requantization then moves one FP8 code of one (token, slot) by 6%: that token's whole row
-# shifts by up to ~5e-2. One such row per call is allowed, within vLLM's own FP8 tolerance.
-FP8_FLIP_ROWS = 1
-FP8_LOOSE_TOL = dict(rtol=6e-2, atol=6e-2)
-
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -54,6 +46,10 @@ class Problem:
 
     def __str__(self):
         return self.name
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return self.num_tokens, self.hidden, self.inter, self.num_experts, self.topk
 
 
 FLOAT_PROBLEMS = [
@@ -80,152 +76,45 @@ EAGER_CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Inputs:
-    x: np.ndarray
-    w1: np.ndarray
-    w2: np.ndarray
-    w1_scale: np.ndarray | None
-    w2_scale: np.ndarray | None
-    topk_weights: np.ndarray
-    topk_ids: np.ndarray
-
-
-def make_inputs(problem: Problem, dtype: str, rng: np.random.Generator, *, id_low=0, id_high=None):
-    """Random tokens and weights (outputs O(1)); ids drawn with duplicates from [id_low, id_high);
-    weights normal (negative ones included)."""
-    t, h, i, e, k = (
-        problem.num_tokens,
-        problem.hidden,
-        problem.inter,
-        problem.num_experts,
-        problem.topk,
-    )
-    id_high = e if id_high is None else id_high
-    x = rng.standard_normal((t, h)).astype(np.float32)
-    w1 = (rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(np.float32)
-    w2 = (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32)
-    w1_scale = w2_scale = None
-    if dtype == "fp8":
-        x = x.astype(oracles.BF16)
-        w1, w1_scale = oracles.per_block_quant_fp8(w1)
-        w2, w2_scale = oracles.per_block_quant_fp8(w2)
-    elif dtype == "bfloat16":
-        x, w1, w2 = (a.astype(oracles.BF16) for a in (x, w1, w2))
-    ids = rng.integers(id_low, id_high, (t, k)).astype(np.int32)
-    weights = rng.standard_normal((t, k)).astype(np.float32)
-    return Inputs(x, w1, w2, w1_scale, w2_scale, weights, ids)
-
-
 @functools.cache
 def _jitted(**kwargs):
     """One jitted fused_moe per static configuration, so equal shapes compile once per session."""
     return jax.jit(functools.partial(fused_moe, **kwargs))
 
 
-def run(inputs: Inputs, *, jit: bool, expert_map=None, **kwargs) -> np.ndarray:
+def run(inputs: MoeInputs, *, jit: bool, expert_map=None, **kwargs) -> np.ndarray:
     """fused_moe on jnp copies of `inputs`, eagerly or under jax.jit (arrays as jit arguments)."""
     fn = _jitted(**kwargs) if jit else functools.partial(fused_moe, **kwargs)
-    arrays = [inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids]
-    scales = dict(w1_scale=inputs.w1_scale, w2_scale=inputs.w2_scale, expert_map=expert_map)
-    out = fn(
-        *map(jnp.asarray, arrays),
-        **{k: None if v is None else jnp.asarray(v) for k, v in scales.items()},
-    )
+    out = fn(*inputs.args(), **inputs.scales(), expert_map=expert_map)
     assert out.dtype == inputs.x.dtype
     assert out.shape == inputs.x.shape
     return np.asarray(out)
-
-
-def expected(inputs: Inputs, *, expert_map=None, **kwargs) -> np.ndarray:
-    ref = oracles.fused_moe(
-        inputs.x,
-        inputs.w1,
-        inputs.w2,
-        inputs.topk_weights,
-        inputs.topk_ids,
-        w1_scale=inputs.w1_scale,
-        w2_scale=inputs.w2_scale,
-        expert_map=expert_map,
-        **kwargs,
-    )
-    return oracles.round_to(ref, inputs.x.dtype)
-
-
-def assert_close(out, ref, dtype: str):
-    out = np.asarray(out).astype(np.float64)
-    if dtype != "fp8":
-        np.testing.assert_allclose(out, ref, **TOL[dtype])
-        return
-    tol = TOL["fp8"]
-    is_bad = np.abs(out - ref) > tol["atol"] + tol["rtol"] * np.abs(ref)
-    bad_rows = np.flatnonzero(is_bad.any(axis=-1))
-    assert len(bad_rows) <= FP8_FLIP_ROWS, f"rows {bad_rows} exceed {tol}"
-    np.testing.assert_allclose(out, ref, **FP8_LOOSE_TOL)
 
 
 @pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("dtype,problem", CASES)
 def test_fused_moe_matches_oracle_jitted(dtype, problem, experts):
     rng = np.random.default_rng(oracles.seed("jit", dtype, str(problem), str(experts)))
-    inputs = make_inputs(problem, dtype, rng)
-    assert_close(run(inputs, jit=True, experts=experts), expected(inputs), dtype)
+    inputs = moe_inputs(problem.shape, dtype, rng)
+    assert_moe_close(run(inputs, jit=True, experts=experts), inputs.expected(), dtype)
 
 
 @pytest.mark.parametrize("experts", ["xla", "xla_masked"])
 @pytest.mark.parametrize("dtype,problem", EAGER_CASES)
 def test_fused_moe_matches_oracle_eager(dtype, problem, experts):
     rng = np.random.default_rng(oracles.seed("eager", dtype, str(problem), experts))
-    inputs = make_inputs(problem, dtype, rng)
-    assert_close(run(inputs, jit=False, experts=experts), expected(inputs), dtype)
+    inputs = moe_inputs(problem.shape, dtype, rng)
+    assert_moe_close(run(inputs, jit=False, experts=experts), inputs.expected(), dtype)
 
 
 @pytest.mark.parametrize("experts", ["xla", "xla_masked"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_no_tokens(experts, jit):
-    inputs = make_inputs(SMALL, "bfloat16", np.random.default_rng(0))
-    inputs = Inputs(
-        inputs.x[:0], inputs.w1, inputs.w2, None, None, inputs.topk_weights[:0], inputs.topk_ids[:0]
+    inputs = moe_inputs(SMALL.shape, "bfloat16", np.random.default_rng(0))
+    inputs = dataclasses.replace(
+        inputs, x=inputs.x[:0], topk_weights=inputs.topk_weights[:0], topk_ids=inputs.topk_ids[:0]
     )
     assert run(inputs, jit=jit, experts=experts, chunk_size=4).shape == (0, SMALL.hidden)
-
-
-@pytest.mark.parametrize("experts", EXPERTS)
-@pytest.mark.parametrize("dtype", ["float32", "fp8"])
-def test_out_of_range_ids_contribute_nothing(dtype, experts):
-    """Ids < 0 and >= E are skipped (never index memory); a token with only such ids is zero."""
-    problem = FP8_PROBLEMS[0] if dtype == "fp8" else SMALL
-    rng = np.random.default_rng(oracles.seed("oob", dtype, str(experts)))
-    inputs = make_inputs(problem, dtype, rng, id_low=-3, id_high=problem.num_experts + 3)
-    inputs.topk_ids[0] = [-1, problem.num_experts][: problem.topk] + [-7] * (problem.topk - 2)
-    out = run(inputs, jit=True, experts=experts)
-    ref = expected(inputs)
-    assert np.all(out[0].astype(np.float32) == 0)
-    assert_close(out, ref, dtype)
-
-
-@pytest.mark.parametrize(
-    "experts,jit",
-    [
-        *(pytest.param(e, True, id=f"{name}-jit") for name, e in EXPERTS_BY_ID.items()),
-        pytest.param("xla", False, id="xla-eager"),
-        pytest.param("xla_masked", False, id="xla_masked-eager"),
-    ],
-)
-def test_expert_map_with_holes(experts, jit):
-    """10 global experts, 4 local ones scattered over the map; ids also below 0 and >= 10."""
-    expert_map = np.array([-1, 2, -1, -1, 0, 3, -1, 1, -1, -1], np.int32)
-    rng = np.random.default_rng(oracles.seed("map", str(experts), jit))
-    inputs = make_inputs(SMALL, "float32", rng, id_low=-2, id_high=13)
-    inputs.topk_ids[0] = [4, 4, 5]  # duplicate local expert
-    inputs.topk_ids[1] = [0, 2, 12]  # nothing local
-    out = run(
-        inputs, jit=jit, experts=experts, expert_map=jnp.asarray(expert_map), global_num_experts=10
-    )
-    ref = expected(inputs, expert_map=expert_map)
-    assert np.all(out[1] == 0)
-    assert np.abs(ref).max() > 0.1  # some slots are local
-    assert_close(out, ref, "float32")
 
 
 @pytest.mark.parametrize("experts", EXPERTS)
@@ -234,12 +123,12 @@ def test_apply_router_weight_on_input(dtype, experts):
     """k == 1: out = W2 act(W1 (w x)); differs from w * W2 act(W1 x) since act is nonlinear."""
     problem = dataclasses.replace(FP8_PROBLEMS[0], topk=1) if dtype == "fp8" else SMALL_K1
     rng = np.random.default_rng(oracles.seed("on_input", dtype, str(experts)))
-    inputs = make_inputs(problem, dtype, rng)
+    inputs = moe_inputs(problem.shape, dtype, rng)
     inputs.topk_weights *= 3.0  # far from 1 so the two orders differ clearly
     out = run(inputs, jit=True, experts=experts, apply_router_weight_on_input=True)
-    assert_close(out, expected(inputs, apply_router_weight_on_input=True), dtype)
-    after = expected(inputs)
-    assert not np.allclose(out.astype(np.float64), after, **TOL[dtype])
+    assert_moe_close(out, inputs.expected(apply_router_weight_on_input=True), dtype)
+    after = inputs.expected()
+    assert not np.allclose(out.astype(np.float64), after, **oracles.MOE_TOL[dtype])
 
 
 @pytest.mark.parametrize("experts", ["xla", "xla_masked"])
@@ -251,16 +140,16 @@ def test_chunking_matches_oracle(dtype, chunk_size, experts):
     """Chunk 1; uneven chunks (7 = 3+3+1, 7 = 4+3, 5 = 2+2+1); chunk == T; chunk > T."""
     problem = FP8_PROBLEMS[0] if dtype == "fp8" else SMALL
     rng = np.random.default_rng(oracles.seed("chunk", dtype, chunk_size, str(experts)))
-    inputs = make_inputs(problem, dtype, rng, id_low=-1, id_high=problem.num_experts + 1)
+    inputs = moe_inputs(problem.shape, dtype, rng, id_low=-1, id_high=problem.num_experts + 1)
     inputs.topk_ids[-1, :2] = 1  # duplicate in the tail chunk
     out = run(inputs, jit=True, experts=experts, chunk_size=chunk_size)
-    assert_close(out, expected(inputs), dtype)
+    assert_moe_close(out, inputs.expected(), dtype)
 
 
 def test_chunked_expert_map_and_weight_on_input():
     """Chunking composes with an expert_map and weight-on-input (k = 1)."""
     expert_map = np.array([1, -1, 0, 3, 2, -1], np.int32)
-    inputs = make_inputs(SMALL_K1, "float32", np.random.default_rng(11), id_low=-1, id_high=7)
+    inputs = moe_inputs(SMALL_K1.shape, "float32", np.random.default_rng(11), id_low=-1, id_high=7)
     out = run(
         inputs,
         jit=False,
@@ -269,20 +158,22 @@ def test_chunked_expert_map_and_weight_on_input():
         expert_map=jnp.asarray(expert_map),
         apply_router_weight_on_input=True,
     )
-    ref = expected(inputs, expert_map=expert_map, apply_router_weight_on_input=True)
-    assert_close(out, ref, "float32")
+    ref = inputs.expected(expert_map=expert_map, apply_router_weight_on_input=True)
+    assert_moe_close(out, ref, "float32")
 
 
 @pytest.mark.parametrize("experts", ["xla", "xla_masked"])
 def test_gelu_activation(experts):
-    inputs = make_inputs(SMALL, "float32", np.random.default_rng(oracles.seed("gelu", experts)))
+    inputs = moe_inputs(
+        SMALL.shape, "float32", np.random.default_rng(oracles.seed("gelu", experts))
+    )
     out = run(inputs, jit=True, experts=experts, activation="gelu")
-    assert_close(out, expected(inputs, activation="gelu"), "float32")
+    assert_moe_close(out, inputs.expected(activation="gelu"), "float32")
 
 
 def test_modular_moe_matches_fused_moe_with_an_experts_object():
     """`ModularMoE` assembled by hand equals the front door with the same experts object."""
-    inputs = make_inputs(SMALL, "float32", np.random.default_rng(5), id_low=-1, id_high=5)
+    inputs = moe_inputs(SMALL.shape, "float32", np.random.default_rng(5), id_low=-1, id_high=5)
     layer = ModularMoE(
         NoEPPrepareFinalize(), ContiguousExperts(gemm="xla", permute_impl="xla"), chunk_size=3
     )
@@ -292,7 +183,7 @@ def test_modular_moe_matches_fused_moe_with_an_experts_object():
             for a in (inputs.x, inputs.w1, inputs.w2, inputs.topk_weights, inputs.topk_ids)
         )
     )
-    assert_close(out, expected(inputs), "float32")
+    assert_moe_close(out, inputs.expected(), "float32")
 
 
 def test_masked_experts_with_small_max_m_drop_overflow():
@@ -301,7 +192,7 @@ def test_masked_experts_with_small_max_m_drop_overflow():
     from moe_jax import MaskedExperts
 
     problem = Problem("T6_H32_I16_E2_k2", 6, 32, 16, 2, 2)
-    inputs = make_inputs(problem, "float32", np.random.default_rng(8))
+    inputs = moe_inputs(problem.shape, "float32", np.random.default_rng(8))
     inputs.topk_ids[:] = [[0, 1], [0, 0], [1, 1], [0, 1], [1, 0], [0, 0]]
     out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla", max_m=4))
     with pytest.raises(ValueError, match="exceeds the per-expert capacity of 6 rows"):
@@ -310,7 +201,7 @@ def test_masked_experts_with_small_max_m_drop_overflow():
     # expert 1 holds tokens 0, 2 (both slots), 3, 4.
     kept = inputs.topk_ids.copy()
     kept[5:] = -1
-    assert_close(out, expected(dataclasses.replace(inputs, topk_ids=kept)), "float32")
+    assert_moe_close(out, dataclasses.replace(inputs, topk_ids=kept).expected(), "float32")
 
 
 # The masked layout's capacity (MaskedExperts docstring): E * max_m * row_bytes may not exceed
@@ -325,7 +216,7 @@ CAPACITY = 365
 def _capacity_inputs():
     """CAPACITY_PROBLEM's inputs with duplicate experts in a row and ids outside [0, E)."""
     rng = np.random.default_rng(oracles.seed("capacity"))
-    inputs = make_inputs(CAPACITY_PROBLEM, "float32", rng, id_low=-1, id_high=5)
+    inputs = moe_inputs(CAPACITY_PROBLEM.shape, "float32", rng, id_low=-1, id_high=5)
     inputs.topk_ids[:3] = [[2, 2], [-1, 4], [0, 0]]
     return inputs
 
@@ -354,7 +245,7 @@ def test_masked_capacity_is_bounded_by_the_problem():
     assert "capacity of 365 rows" in MaskedExperts().unsupported_reason(problem)
     inputs = _capacity_inputs()
     out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla", max_m=CAPACITY))
-    assert_close(out, expected(inputs), "float32")
+    assert_moe_close(out, inputs.expected(), "float32")
 
 
 def test_masked_capacity_error_names_the_argument_and_capacity():
@@ -390,7 +281,7 @@ def test_masked_capacity_follows_the_chunk():
 
     inputs = _capacity_inputs()
     out = run(inputs, jit=True, experts=MaskedExperts(gemm="xla"), chunk_size=200)
-    assert_close(out, expected(inputs), "float32")
+    assert_moe_close(out, inputs.expected(), "float32")
 
 
 def _deepseek_v3_args(num_tokens: int):
@@ -453,9 +344,9 @@ def test_decode_size_gpu_experts_match_oracle(experts, num_tokens):
     """Few tokens per expert on the GPU backends (masked blocks shorter than 128 rows included),
     held to the FP8 GPU bound: relative Frobenius error 2e-2 against the float64 oracle."""
     problem = Problem(f"T{num_tokens}_H512_I256_E16_k4", num_tokens, 512, 256, 16, 4)
-    inputs = make_inputs(problem, "fp8", np.random.default_rng(40 + num_tokens))
+    inputs = moe_inputs(problem.shape, "fp8", np.random.default_rng(40 + num_tokens))
     out = np.asarray(run(inputs, jit=True, experts=experts)).astype(np.float64)
-    ref = expected(inputs)
+    ref = inputs.expected()
     assert np.linalg.norm(out - ref) <= 2e-2 * np.linalg.norm(ref)
 
 
@@ -465,8 +356,8 @@ def test_float32_follows_default_matmul_precision_on_gpu():
     """float32 layers run in TF32 by default on the GPU (about 5e-4 relative error, documented
     in the README) and in full float32 under jax.default_matmul_precision("highest")."""
     problem = Problem("T64_H256_I128_E8_k2", 64, 256, 128, 8, 2)
-    inputs = make_inputs(problem, "float32", np.random.default_rng(77))
-    ref = expected(inputs)
+    inputs = moe_inputs(problem.shape, "float32", np.random.default_rng(77))
+    ref = inputs.expected()
 
     def rel_error(out):
         return np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
@@ -482,7 +373,7 @@ def test_float32_follows_default_matmul_precision_on_gpu():
 
 def _good(dtype="float32"):
     problem = FP8_PROBLEMS[0] if dtype == "fp8" else Problem("T3_H32_I16_E4_k2", 3, 32, 16, 4, 2)
-    inputs = make_inputs(problem, dtype, np.random.default_rng(0))
+    inputs = moe_inputs(problem.shape, dtype, np.random.default_rng(0))
     return {
         "hidden_states": jnp.asarray(inputs.x),
         "w1": jnp.asarray(inputs.w1),
