@@ -1,5 +1,7 @@
-"""moe_jax.hf_config and hf_weights namings, on numpy only: config spellings of transformers 4
-and 5, dense layers, the fused transformers-5 naming, Qwen2-MoE's shared expert and its gate."""
+"""moe_jax.hf_config and hf_weights namings, on numpy only: config fields per model type, dense
+layers, the fused transformers-5 naming of an FP8 checkpoint, Qwen2-MoE's shared expert and its
+gate. transformers 4 and 5 config spellings and the float fused naming against transformers'
+own classes and blocks: tests/test_hf_transformers.py."""
 
 from __future__ import annotations
 
@@ -16,24 +18,6 @@ from moe_jax.hf_loading import (
     moe_from_hf,
     moe_kwargs_from_hf_config,
 )
-
-# transformers 4 and 5 spellings of the same config (v5 writes Qwen3-MoE's num_experts as
-# num_local_experts, and reads DeepSeek-V3's n_routed_experts as num_local_experts too).
-SPELLINGS = {
-    "mixtral": ({"num_local_experts": 8}, {"num_experts": 8}),
-    "qwen3_moe": ({"num_experts": 8}, {"num_local_experts": 8}),
-    "deepseek_v3": ({"n_routed_experts": 8}, {"num_local_experts": 8}),
-}
-
-
-@pytest.mark.parametrize("model_type", list(SPELLINGS))
-def test_config_spellings_of_transformers_4_and_5(model_type):
-    base = make_config(model_type)
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        base.pop(key, None)
-    v4, v5 = (base | spelling for spelling in SPELLINGS[model_type])
-    assert moe_kwargs_from_hf_config(v4) == moe_kwargs_from_hf_config(v5)
-    assert moe_kwargs_from_hf_config(v5)["num_experts"] == 8
 
 
 def test_kwargs_per_model_type():
@@ -97,18 +81,6 @@ def to_fused(sd: dict, model_type: str) -> dict:
         down = [experts[e, projs[2], tail] for e in range(num_experts)]
         out[PREFIX + "mlp.experts.down_proj" + suffix] = np.stack(down)
     return out
-
-
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_fused_naming_gives_the_same_params(model_type):
-    sd = make_state_dict(make_config(model_type))
-    fused = to_fused(sd, model_type)
-    naming = detect_hf_naming(fused, PREFIX)
-    assert naming.is_fused and naming.module == "mlp."
-    want, got = hf_moe_params(sd, PREFIX), hf_moe_params(fused, PREFIX)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_fused_fp8_naming_gives_the_same_params():
