@@ -36,10 +36,18 @@ def kernel_env(tmp_path, monkeypatch):
     return monkeypatch
 
 
-def execute(name: str) -> str:
-    """Runs a notebook from notebooks/ (as its working directory); returns its stream output."""
+def execute(name: str, *, committed_with_plots: bool = False) -> str:
+    """Runs a notebook from notebooks/ (as its working directory); returns its stream output.
+    A notebook of _build.py's EXECUTED is committed with its outputs (plots included), which
+    are cleared before it runs; the others are committed without."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if committed_with_plots:
+        plots = [o for c in code for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+        assert plots, f"{name} is committed without its plots; run python notebooks/_build.py"
+        for cell in code:
+            cell.outputs, cell.execution_count = [], None
+    assert all(not c.get("outputs") for c in code), (
         f"{name} is committed with outputs; clear them (python notebooks/_build.py)"
     )
     client = nbclient.NotebookClient(
@@ -112,3 +120,11 @@ def test_training(kernel_env):
     assert "3 x 300 steps in" in out
     assert "+ correction bias" in out and "max/mean load" in out
     assert "weight gradient" in out
+
+
+def test_model(kernel_env):
+    for module in ("flax", "optax", "transformers", "torch"):
+        pytest.importorskip(module, reason="the notebook loads and trains a transformers model")
+    out = execute("05_model.ipynb", committed_with_plots=True)
+    assert "logits vs transformers" in out and "300 steps in" in out
+    assert "layer 3: max/mean load" in out
