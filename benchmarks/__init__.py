@@ -6,7 +6,6 @@ is the product's benchmark. Their tests are in tests/test_benchmarks*.py and tes
 Whole layer:
   stage_breakdown     each stage of the FP8 forward jitted alone, host and device ms
   kernel_gaps         a forward's device time kernel by kernel, and the idle gaps between them
-  gather_bench        the front half with the gathered fused GEMM1 against the permuted one
   train_stages        forward and backward time of each stage of a training step
   bench_ratio         current / baseline table of `bench --json` files (gpu_check.sh baseline)
 Kernels:

@@ -14,8 +14,7 @@
 #   bash scripts/gpu_check.sh prefill    the prefill layer and where its time goes: `bench` at
 #       shapes B and A (the FP8 layer, "auto" and never fused, and its fused-GEMM1 variants, the
 #       gathered one too), then benchmarks/: `kernel_gaps` for both experts at B and A and for the
-#       gathered GEMM1 at B and `gather_bench` at B (both to the log; 6 files to $OUT: the device
-#       tool brings back at most 8)
+#       gathered GEMM1 at B (to the log; 5 files to $OUT: the device tool brings back at most 8)
 #   bash scripts/gpu_check.sh baseline [bench args]   today's code against an earlier commit's
 #       (`bash scripts/baseline_tree.sh COMMIT` here first, then carry .baseline): `bench` (by
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
@@ -136,12 +135,10 @@ case "$mode" in
           || status=1
       done
     done
-    # the gathered GEMM1 at B, to the log only (the device tool brings back at most 8 files):
-    # in the layer, then its front half against the permuted one in alternating rounds
+    # the gathered GEMM1 in the layer at B, to the log only (the device tool brings back at
+    # most 8 files)
     python3 -m benchmarks.kernel_gaps --shape B --variant moe_jax_fp8_gathered --samples 3 \
       2>&1 | tee -a "$out/prefill.log" || status=1
-    python3 -m benchmarks.gather_bench --shapes B --rounds 6 2>&1 | tee -a "$out/prefill.log" \
-      || status=1
     exit "$status"
     ;;
   baseline)

@@ -1,19 +1,17 @@
 """The tools of benchmarks/ (`python -m benchmarks.gemm_sweep`, `.interop_bench`,
-`.kernel_gaps`, `.stage_breakdown`, `.gather_bench`) on the CPU."""
+`.kernel_gaps`, `.stage_breakdown`) on the CPU."""
 
 import doctest
 import json
 import shutil
 
 import jax
-import numpy as np
 import pytest
 import script_modules
 
 from moe_jax.cli import layer_bench, timing
 from moe_jax.kernels import mosaic_fp8_gemm
 
-gather_bench = script_modules.benchmark("gather_bench")
 gemm_sweep = script_modules.benchmark("gemm_sweep")
 interop_bench = script_modules.benchmark("interop_bench")
 kernel_gaps = script_modules.benchmark("kernel_gaps")
@@ -342,75 +340,3 @@ def test_stage_breakdown_times_the_fused_first_gemm_as_one_stage(monkeypatch):
         "unpermute + reduce",
     ]
     assert all(r["ms"] > 0 for r in rows)
-
-
-def test_gather_bench_checks_the_forms_equal_then_times_alternating_rounds(tmp_path, capsys):
-    """The tiny shape (interpret mode off a GPU: a check of the command, not a timing): both
-    front halves agree bit for bit, each round times both, the JSON holds rounds and medians."""
-    path = tmp_path / "gather.json"
-    argv = ["--shapes", "tiny", "--rounds", "1", "--samples", "1", "--burst", "1"]
-    assert gather_bench.main([*argv, "--json", str(path)]) == 0
-    entry = json.loads(path.read_text())["shapes"]["tiny"]
-    (row,) = entry["per_round"]
-    assert entry["rounds"] == 1 and row["permuted"] > 0 and row["gathered"] > 0
-    assert row["ratio"] == pytest.approx(row["gathered"] / row["permuted"])
-    assert entry["gathered_faster_rounds"] == int(row["ratio"] < 1)
-    out = capsys.readouterr().out
-    assert "equal bit for bit" in out and "round 1/1" in out
-    with pytest.raises(SystemExit):
-        gather_bench.main(["--rounds", "0"])
-    assert "--rounds must be at least 1" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("name", sorted(gather_bench.VARIED_B))
-def test_gather_bench_varied_shapes_are_where_auto_fuses_the_first_gemm(name):
-    """Each varied shape differs from B where named, and "auto" on a GPU would fuse its GEMM1
-    (the comparison's point: where the gathered form or the contiguous one is "auto"'s), in
-    its gathered form up to `GATHERED_MAX_N` columns."""
-    from moe_jax.fused_gemm1 import FusedGemm1Problem
-    from moe_jax.grouped_gemm import GemmProblem
-    from moe_jax.plan import THRESHOLDS, fused_gemm1_order
-
-    shape, base = gather_bench.SHAPES[name], gather_bench.SHAPES["B"]
-    changed = {
-        field: getattr(shape, field)
-        for field in ("num_tokens", "num_experts", "topk", "hidden", "intermediate")
-        if getattr(shape, field) != getattr(base, field)
-    }
-    assert changed == gather_bench.VARIED_B[name] and shape.name == name
-    problem = GemmProblem(
-        layout="contiguous",
-        n=2 * shape.intermediate,
-        k=shape.hidden,
-        num_experts=shape.num_experts,
-        num_pairs=shape.num_tokens * shape.topk,
-        x_dtype="float8_e4m3fn",
-        w_dtype="float8_e4m3fn",
-        platform="gpu",
-        alignment=gather_bench.ALIGNMENT,
-    )
-    preference, _ = fused_gemm1_order(
-        FusedGemm1Problem(gemm=problem, activation="silu", group_size=128)
-    )
-    assert preference[-1] == "mosaic_fp8"  # "auto" fuses GEMM1 here
-    is_gathered = problem.n <= THRESHOLDS.GATHERED_MAX_N
-    assert (preference[0] == "mosaic_fp8_gathered") == is_gathered
-
-
-def test_gather_bench_compares_valid_rows_only():
-    """`check_equal` ignores padding rows and names how many valid rows of codes and of scales
-    differ."""
-    rng = np.random.default_rng(0)
-    q = rng.integers(0, 255, (6, 4), dtype=np.uint8)
-    s = rng.random((6, 1), dtype=np.float32)
-    valid = np.array([True, True, False, True, False, True])
-    padding_differs = q.copy()
-    padding_differs[2] += 1
-    calls = {"permuted": lambda: (q, s), "gathered": lambda: (padding_differs, s)}
-    assert gather_bench.check_equal(calls, valid) is None
-    code_differs, scale_differs = q.copy(), s.copy()
-    code_differs[3, 1] += 1
-    scale_differs[0] *= 2
-    calls["gathered"] = lambda: (code_differs, scale_differs)
-    message = gather_bench.check_equal(calls, valid)
-    assert "1 rows of codes and 1 of scales" in message and "of 4 valid rows" in message

@@ -11,12 +11,14 @@ contiguous fused GEMM1.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import oracles
 import pytest
-from test_grouped_gemm import _problem as _gemm_problem
+from gemm_problems import DEEPSEEK_V3_FP8_GEMM1
 from test_kernels_mosaic_fp8_gemm import (
     OVERLAPPED_PAIRS,
     PAIRS,
@@ -296,7 +298,20 @@ def test_kernel_lowers_for_hopper_with_the_hardware_reporting_the_rows():
 
 
 def _fused_problem(**changes) -> FusedGemm1Problem:
-    return FusedGemm1Problem(gemm=_gemm_problem(**changes), activation="silu", group_size=128)
+    small = dict(n=256, k=256, num_experts=4, num_pairs=256, platform="cpu", alignment=128)
+    gemm = dataclasses.replace(DEEPSEEK_V3_FP8_GEMM1, **{**small, **changes})
+    return FusedGemm1Problem(gemm=gemm, activation="silu", group_size=128)
+
+
+def test_auto_gathers_the_rows_up_to_gathered_max_n():
+    """On a GPU at shape B's H (128-row segments) "auto" tries the gathered GEMM1 first up to
+    N = 2I = `GATHERED_MAX_N`, the contiguous fused GEMM1 alone above (BENCHMARKS.md,
+    Thresholds)."""
+    from moe_jax.plan import THRESHOLDS, fused_gemm1_order
+
+    limit = THRESHOLDS.GATHERED_MAX_N
+    for n, want in ((limit, ("mosaic_fp8_gathered", "mosaic_fp8")), (limit + 256, ("mosaic_fp8",))):
+        assert fused_gemm1_order(_fused_problem(platform="gpu", n=n, k=2048))[0] == want
 
 
 def test_compiled_backend_refuses_a_jax_without_inline_ptx(monkeypatch):
