@@ -10,8 +10,8 @@ Implementations, chosen by `impl` through `moe_jax.registry`: "xla" (`moe_jax.qu
 when it first runs; the compiled act + quant kernel lowers `COMPILED_ACTIVATIONS` only), and
 "auto" ("pallas" on a GPU where it runs, else "xla"). The fronts check the arguments once and
 answer empty inputs (no rows or no groups) with XLA's empty arrays. Neither op is differentiable
-(they serve FP8 inference weights; the FP8 training recipe quantizes inside its GEMMs' VJPs):
-differentiating one raises a TypeError that says how to train.
+(FP8 codes would take FP8 cotangents): differentiable FP8 GEMMs quantize their float rows inside
+their VJPs (`moe_jax.grouped_gemm_backward`); differentiating one of these raises a TypeError.
 """
 
 from __future__ import annotations
@@ -63,13 +63,12 @@ def act_and_quant_reference(
 
 GROUP_QUANTS = Registry("group_quant", preference=pallas_then_xla)
 ACT_QUANTS = Registry("act_and_quant", preference=pallas_then_xla)
-# Quantization to FP8 feeds only the float8_e4m3fn expert weights path (the FP8 training recipe
-# quantizes inside its own GEMM VJPs), so the ops are not differentiable: JAX would otherwise try
-# to differentiate the Pallas kernels' bodies (inline PTX has no derivative rule).
+# JAX would otherwise try to differentiate the Pallas kernels' bodies (inline PTX has no
+# derivative rule), and an FP8 result's cotangent would be FP8 too.
 NO_GRADIENT_MESSAGE = (
-    "FP8 activation quantization has no gradient: gradients through float8_e4m3fn expert "
-    "weights are not defined (they are an inference checkpoint); train float master weights "
-    "(bf16/float32), optionally with ContiguousExperts(recipe=moe_jax.fp8_training.Fp8Training())"
+    "FP8 activation quantization has no gradient (FP8 rows are for inference): fused_moe and "
+    "the Flax MoE differentiate through float8_e4m3fn expert weights on float tokens, which "
+    "their GEMMs quantize; call those, or pass float rows to the experts and GEMMs"
 )
 
 

@@ -167,16 +167,9 @@ class ContiguousExperts(Experts):
 
     def first_gemm(self, lay, weights: ExpertWeights, *, plan: ExpertsPlan, call: ExpertsCall):
         """[M, H] rows -> [M, 2I] in the intermediate dtype."""
+        dtype = intermediate_dtype(lay.rows.dtype, call)
         return self._gemm(
-            plan.gemm1,
-            lay.rows,
-            lay.row_scales,
-            weights.w1,
-            weights.w1_scale,
-            lay,
-            plan=plan,
-            wgrad=None if plan.wgrads is None else plan.wgrads[0],
-            out_dtype=intermediate_dtype(lay.rows.dtype, call),
+            0, lay.rows, lay.row_scales, weights.w1, weights.w1_scale, lay, plan, dtype
         )
 
     def first_gemm_act_quant(
@@ -211,21 +204,32 @@ class ContiguousExperts(Experts):
             impl=plan.gemm1,
         )
 
-    def _gemm(self, backend, x, x_scales, w, w_scales, lay, *, plan, wgrad, out_dtype):
-        args = (backend, x, w, lay.expert_ids, lay.expert_ends)
-        kwargs = dict(alignment=plan.alignment, out_dtype=out_dtype, wgrad=wgrad)
-        if plan.recipe is not None:  # the recipe quantizes x and w itself
-            return fp8_training.grouped_gemm_contiguous(*args, recipe=plan.recipe, **kwargs)
-        return grouped_gemm_contiguous(*args, x_scales=x_scales, w_scales=w_scales, **kwargs)
+    def _gemm(self, stage: int, x, x_scales, w, w_scales, lay, plan: ExpertsPlan, out_dtype):
+        """GEMM `stage` (0: GEMM1, 1: GEMM2) with the plan's backends for it and its backward."""
+        return grouped_gemm_contiguous(
+            (plan.gemm1, plan.gemm2)[stage],
+            x,
+            w,
+            lay.expert_ids,
+            lay.expert_ends,
+            x_scales=x_scales,
+            w_scales=w_scales,
+            alignment=plan.alignment,
+            out_dtype=out_dtype,
+            wgrad=None if plan.wgrads is None else plan.wgrads[stage],
+            dgrad=None if plan.dgrads is None else plan.dgrads[stage],
+            recipe=plan.recipe,  # which quantizes x and w itself
+        )
 
     def activate(self, h: jax.Array, call: ExpertsCall, lay=None, *, plan: ExpertsPlan):
-        """act(gate) * up (+ quantization); on float paths, padding rows of `lay` are zeroed
-        (GEMM1 may leave garbage there, and the weight gradient sums over whole segments); on
-        the FP8 path the kernel skips blocks of padding rows, which stay unspecified, and writes
-        the scales in the order `plan.gemm2` reads them."""
+        """act(gate) * up (+ quantization where the plan has an act + quant kernel: FP8 rows);
+        on float rows, padding rows of `lay` are zeroed (GEMM1 may leave garbage there, and the
+        weight gradient sums over whole segments), and FP8 GEMMs quantize their rows
+        themselves; on FP8 rows the kernel skips blocks of padding rows, which stay
+        unspecified, and writes the scales in the order `plan.gemm2` reads them."""
         return activate(
             h,
-            call,
+            call if plan.act_quant_impl else dataclasses.replace(call, quant_config=None),
             impl=plan.act_quant_impl or AUTO,
             expert_ids=None if lay is None else lay.expert_ids,
             is_scales_group_major=plan.gemm2.is_scales_group_major,
@@ -235,17 +239,8 @@ class ContiguousExperts(Experts):
         self, a, a_scales, lay, weights: ExpertWeights, *, plan: ExpertsPlan, call: ExpertsCall
     ):
         """[M, I] activations -> [M, H] in the intermediate dtype."""
-        return self._gemm(
-            plan.gemm2,
-            a,
-            a_scales,
-            weights.w2,
-            weights.w2_scale,
-            lay,
-            plan=plan,
-            wgrad=None if plan.wgrads is None else plan.wgrads[1],
-            out_dtype=intermediate_dtype(a.dtype, call),
-        )
+        dtype = intermediate_dtype(a.dtype, call)
+        return self._gemm(1, a, a_scales, weights.w2, weights.w2_scale, lay, plan, dtype)
 
     def unpermute(
         self, y, lay, prepared: PreparedTokens, call: ExpertsCall, *, plan: ExpertsPlan

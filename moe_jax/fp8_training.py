@@ -1,14 +1,15 @@
-"""The FP8 training recipe of DeepSeek-V3 for the expert GEMMs, one `jax.custom_vjp` per GEMM.
+"""The FP8 training recipe of DeepSeek-V3 for the expert GEMMs.
 
 Master weights stay in bf16/float32; each step quantizes them on the fly. Per GEMM
-`y[row] = x[row] @ w[expert(row)].T` ([M, K] x [E, N, K] -> [M, N], contiguous layout):
+`y[row] = x[row] @ w[expert(row)].T` ([M, K] x [E, N, K] -> [M, N], contiguous layout), through
+`moe_jax.grouped_gemm_backward.grouped_gemm_contiguous(recipe=...)`:
 
 - forward: x quantized in 1x128 groups (`moe_jax.act_quant.group_quant`), w in 128x128 blocks
-  (`moe_jax.quant.per_block_quant_fp8`), one FP8 grouped GEMM (DeepGEMM on a Hopper GPU), bf16 out.
+  (`quantize_blocks`), one FP8 grouped GEMM (DeepGEMM on a Hopper GPU), bf16 out.
 - dgrad: dy quantized in 1x128 groups along N, times a physical w^T [E, K, N] quantized in 128x128
   blocks: both operands K-major, as DeepGEMM's sm_90 `m_grouped_fp8_gemm_nt_contiguous` needs. The
   128x128 tiles of w^T are the transposed tiles of w with the same scales, so quantizing w^T is
-  quantizing w and transposing: no extra error.
+  quantizing w and transposing: no extra error. (Frozen FP8 weights take the same dgrad.)
 - wgrad: dw = dy^T x in bf16 (float32 accumulation) through `WGRADS`, with the unquantized bf16
   x and dy. DeepGEMM's sm_90 FP8 wgrad (`k_grouped_fp8_gemm_nt_contiguous`) takes the per-expert
   row counts as a host list, i.e. a device-to-host sync every step; it is not used.
@@ -33,12 +34,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from moe_jax import act_quant, grouped_gemm, grouped_gemm_backward, quant
+from moe_jax import grouped_gemm, grouped_gemm_backward, quant
 from moe_jax.registry import AUTO
 
 BLOCK = 128
@@ -55,9 +55,9 @@ class Fp8Training:
 
     quant_impl: str = AUTO
 
-    @property
-    def group_size(self) -> int:
-        return BLOCK
+    def quantize(self, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """`quantize_blocks(w)`: what the GEMM and its dgrad read of master weights w."""
+        return quantize_blocks(w)
 
     def check(self, *, hidden: int, intermediate: int, w_dtype) -> None:
         """Raises when the recipe cannot run these weights."""
@@ -74,25 +74,6 @@ class Fp8Training:
             )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Statics:
-    """The hashable, static half of one FP8 GEMM: dtypes as names, shapes as tuples."""
-
-    forward: grouped_gemm.GroupedGemm
-    recipe: Fp8Training
-    alignment: int
-    out_dtype: str
-    wgrad: object
-    w_shape: tuple[int, ...]
-    w_dtype: str
-
-
-def fp8_problem(x: jax.Array, w: jax.Array, *, alignment: int | None) -> grouped_gemm.GemmProblem:
-    """The FP8 x FP8 contiguous `GemmProblem` that the recipe's forward GEMM runs."""
-    fp8 = jnp.dtype(quant.FP8_DTYPE).name
-    return grouped_gemm.GemmProblem.of(x, w, x_dtype=fp8, w_dtype=fp8, alignment=alignment)
-
-
 def grouped_gemm_contiguous(
     backend: grouped_gemm.GroupedGemm,
     x: jax.Array,
@@ -104,11 +85,12 @@ def grouped_gemm_contiguous(
     alignment: int,
     out_dtype: jnp.dtype,
     wgrad=AUTO,
+    dgrad: grouped_gemm.GroupedGemm | None = None,
 ) -> jax.Array:
     """y [M, N] = FP8(x) [M, K] @ FP8(w)[expert].T with the recipe's backward.
 
     Args:
-      backend: a `GroupedGemm` that runs the FP8 problem (`fp8_problem`).
+      backend: a `GroupedGemm` that runs the FP8 problem.
       x: bf16/float32[M, K] rows in the contiguous layout; K a multiple of 128.
       w: bf16/float32[E, N, K] master weights; N and K multiples of 128.
       expert_ids, expert_ends: the layout's (see `moe_jax.grouped_gemm`).
@@ -116,6 +98,7 @@ def grouped_gemm_contiguous(
       alignment: the layout's segment multiple.
       out_dtype: dtype of y.
       wgrad: `moe_jax.grouped_gemm_backward.WGRADS` choice.
+      dgrad: the dgrad's `GroupedGemm` (None: `moe_jax.plan.dgrad_gemm`'s).
 
     Returns:
       [M, N] in `out_dtype`; padding rows unspecified.
@@ -127,20 +110,18 @@ def grouped_gemm_contiguous(
                 f"itself (its dw would be {a.dtype}); for FP8 weights with their scales, drop "
                 "recipe= and run the FP8 inference path"
             )
-    statics = _Statics(
-        forward=backend,
-        recipe=recipe,
+    return grouped_gemm_backward.grouped_gemm_contiguous(
+        backend,
+        x,
+        w,
+        expert_ids,
+        expert_ends,
         alignment=alignment,
-        out_dtype=jnp.dtype(out_dtype).name,
+        out_dtype=out_dtype,
         wgrad=wgrad,
-        w_shape=tuple(w.shape),
-        w_dtype=jnp.dtype(w.dtype).name,
+        dgrad=dgrad,
+        recipe=recipe,
     )
-    return _fp8_gemm(statics)(x, w, expert_ids, expert_ends)
-
-
-def _quantize_rows(a: jax.Array, recipe: Fp8Training) -> tuple[jax.Array, jax.Array]:
-    return act_quant.group_quant(a, group_size=recipe.group_size, impl=recipe.quant_impl)
 
 
 def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -163,72 +144,3 @@ def quantize_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.
     wq = q.reshape(num_experts, n, k)
     s = scales[:, :, 0, :, 0]
     return wq, s, jnp.swapaxes(wq, 1, 2), jnp.swapaxes(s, 1, 2)
-
-
-@functools.cache
-def _fp8_gemm(statics: _Statics):
-    """The recipe's GEMM as a `jax.custom_vjp` of (x, w, expert_ids, expert_ends), one per statics
-    (closed over, not `nondiff_argnums`: jax 0.11 rejects their str fields there)."""
-
-    @jax.custom_vjp
-    def gemm(x, w, expert_ids, expert_ends):
-        return _fp8_forward(statics, x, w, expert_ids, expert_ends)[0]
-
-    def fwd(x, w, expert_ids, expert_ends):
-        y, (wtq, wts) = _fp8_forward(statics, x, w, expert_ids, expert_ends)
-        return y, (x, wtq, wts, expert_ids, expert_ends)
-
-    def bwd(residuals, g):
-        return _fp8_backward(statics, residuals, g)
-
-    gemm.defvjp(fwd, bwd)
-    return gemm
-
-
-def _fp8_forward(statics, x, w, expert_ids, expert_ends):
-    xq, xs = _quantize_rows(x, statics.recipe)
-    wq, ws, wtq, wts = quantize_blocks(w)
-    y = statics.forward.contiguous(
-        xq,
-        wq,
-        expert_ids,
-        expert_ends,
-        x_scales=xs,
-        w_scales=ws,
-        alignment=statics.alignment,
-        out_dtype=jnp.dtype(statics.out_dtype),
-    )
-    return y, (wtq, wts)
-
-
-def _fp8_backward(statics, residuals, g):
-    """(dx, dw, None, None): straight-through FP8 dgrad and bf16 wgrad (module docstring)."""
-    x, wtq, wts, expert_ids, expert_ends = residuals
-    w_shape, w_dtype = statics.w_shape, jnp.dtype(statics.w_dtype)
-    g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(jnp.bfloat16)
-    gq, gs = _quantize_rows(g, statics.recipe)
-    problem = grouped_gemm_backward.transposed_problem(
-        fp8_problem(x, jax.ShapeDtypeStruct(w_shape, w_dtype), alignment=statics.alignment)
-    )
-    dgrad = grouped_gemm_backward.select_dgrad(statics.forward, problem)
-    dx = dgrad.contiguous(
-        gq,
-        wtq,
-        expert_ids,
-        expert_ends,
-        x_scales=gs,
-        w_scales=wts,
-        alignment=statics.alignment,
-        out_dtype=x.dtype,
-    )
-    dw = grouped_gemm_backward.grouped_wgrad_zero_padded(
-        g,
-        x.astype(jnp.bfloat16),
-        expert_ids,
-        expert_ends,
-        num_experts=w_shape[0],
-        alignment=statics.alignment,
-        out_dtype=w_dtype,
-        impl=statics.wgrad,
-    )
-    return dx, dw, None, None

@@ -5,12 +5,19 @@ Forward backends run in XLA (differentiable by themselves), in torch through
 `jax.experimental.buffer_callback` (no JVP) or as Pallas kernels (no VJP). The fronts here make
 all of them differentiable the same way, for `y[row] = x[row] @ w[expert(row)].T`:
 
-- dgrad: dx = dy @ w[e], i.e. the same contiguous (or masked) GEMM against `w` transposed,
-  run by the forward's backend when it takes the transposed problem, else by
-  `GEMMS.select("auto", ...)`: `GroupedGemm.contiguous_dgrad`, which backends with an NN kernel
-  (torch, DeepGEMM bf16) run on `w` as stored; the others get `jnp.swapaxes(w, 1, 2)` [E, K, N].
+- dgrad: dx = dy @ w[e], i.e. the same contiguous (or masked) GEMM against `w` transposed, run
+  by the backend the plan chose (`moe_jax.plan.dgrad_gemm`: the forward's, where it takes the
+  transposed problem): `GroupedGemm.contiguous_dgrad`, which backends with an NN kernel (torch,
+  DeepGEMM bf16) run on `w` as stored; the others get `jnp.swapaxes(w, 1, 2)` [E, K, N].
 - wgrad: dw[e] = dy_e^T x_e over each expert's rows, [E, N, K], accumulated in float32, through the
   `WGRADS` registry (contiguous layout); the masked layout's wgrad is a dense batched product.
+- FP8 GEMMs of float rows: the rows are quantized in 1x128 groups inside the forward, against
+  float8_e4m3fn weights held constant (`w_scales` given: a frozen checkpoint) or float master
+  weights that the FP8 recipe quantizes (`recipe`, `moe_jax.fp8_training`). The dgrad quantizes
+  dy alike and multiplies the FP8 w^T [E, K, N]: the 128x128 tiles of w^T are w's tiles
+  transposed with the same scales, so nothing is quantized twice. Straight through the
+  quantizers. FP8 operands (weights with `w_scales`, rows with `x_scales`) get no gradient:
+  asking for one raises `fp8_weights_error`'s TypeError, naming it.
 
 Rows of padding (expert id -1, or past a masked expert's count) have unspecified outputs, so their
 cotangents are dropped: backends may leave garbage (even NaN) there. On the contiguous layout the
@@ -19,10 +26,7 @@ makes the activation's (a masking pass here would cost one more read and write o
 masked layout's wgrad masks x itself. dx on padding rows is unspecified; the permute's backward
 never reads it.
 
-Residuals: x and w only; nothing [M, N]-sized is saved.
-
-Gradients through float8_e4m3fn weights (inference checkpoints) are not defined: differentiating
-through them raises, naming the training recipe (`moe_jax.fp8_training`).
+Residuals: x and w (or the FP8 w^T and its scales) only; nothing [M, N]-sized is saved.
 
 WGRADS implementations: "xla" (`wgrad_reference`, everywhere), "torch" (`torch._grouped_mm`
 with `offs`), "mosaic" (Mosaic GPU `transposed_ragged_dot`, named only) and "pallas"
@@ -36,16 +40,38 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
-from moe_jax import grouped_gemm, quant
+from moe_jax import act_quant, grouped_gemm, quant
 from moe_jax.registry import AUTO, FunctionImpl, Registry
 from moe_jax.routing import require_int
 
-FP8_WEIGHTS_MESSAGE = (
-    "gradients through float8_e4m3fn expert weights are not defined (they are an inference "
-    "checkpoint): train float master weights (bf16/float32), optionally with the FP8 recipe "
-    "ContiguousExperts(recipe=moe_jax.fp8_training.Fp8Training())"
-)
+
+def fp8_weights_error(name: str) -> TypeError:
+    """The refusal of a gradient to float8_e4m3fn weights or their scales, naming the argument."""
+    return TypeError(
+        f"a gradient with respect to {name} (float8_e4m3fn or its scales): gradients through "
+        "float8_e4m3fn expert weights are not defined (they are an inference checkpoint, held "
+        "constant), nor through FP8 rows; gradients flow to float tokens (fused_moe and the Flax "
+        "MoE quantize them in the GEMMs), the router weights and the other layers. "
+        "Differentiate with respect to those only (Flax NNX: leave the FP8 params out of "
+        "nnx.grad's DiffState), or train float master weights, optionally with "
+        "ContiguousExperts(recipe=moe_jax.fp8_training.Fp8Training())"
+    )
+
+
+def primal_values(primals: tuple, frozen: tuple[str | None, ...]) -> list:
+    """The values of a `jax.custom_vjp(symbolic_zeros=True)` rule's primals; raises
+    `fp8_weights_error` for one named in `frozen` that is being differentiated."""
+    for primal, name in zip(primals, frozen, strict=True):
+        if name is not None and primal is not None and primal.perturbed:
+            raise fp8_weights_error(name)
+    return [None if p is None else p.value for p in primals]
+
+
+def instantiate(g):
+    """A cotangent as an array (zeros for a `SymbolicZero`)."""
+    return jnp.zeros(g.shape, g.dtype) if isinstance(g, SymbolicZero) else g
 
 
 def _wgrad_preference(problem: grouped_gemm.GemmProblem) -> tuple[str, ...]:
@@ -205,36 +231,17 @@ def _check_wgrad_operands(dy, x, expert_ids, *, alignment) -> None:
         )
 
 
-def transposed_problem(
-    problem: grouped_gemm.GemmProblem, *, x_dtype: str | None = None
-) -> grouped_gemm.GemmProblem:
-    """The dgrad's problem: dy [rows, N] x w^T [E, K, N] -> [rows, K]."""
-    return dataclasses.replace(
-        problem,
-        n=problem.k,
-        k=problem.n,
-        x_dtype=problem.x_dtype if x_dtype is None else x_dtype,
-    )
-
-
-def select_dgrad(
-    forward: grouped_gemm.GroupedGemm, problem: grouped_gemm.GemmProblem
-) -> grouped_gemm.GroupedGemm:
-    """The forward's backend if it runs the transposed `problem`, else "auto" for it."""
-    if forward.unsupported_reason(problem) is None:
-        return forward
-    return grouped_gemm.GEMMS.select(AUTO, problem)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmStatics:
     """Static arguments of one differentiable grouped GEMM call.
 
     Attributes:
       backend: the forward `GroupedGemm`.
-      alignment: the contiguous layout's segment multiple (None on the masked layout).
       out_dtype: the forward's output dtype.
+      alignment: the contiguous layout's segment multiple (None on the masked layout).
       wgrad: `WGRADS` choice for the contiguous layout's weight gradient.
+      dgrad: the backward's `GroupedGemm` (None: `moe_jax.plan.dgrad_gemm`'s choice).
+      recipe: the `moe_jax.fp8_training.Fp8Training` that quantizes float w, or None.
       expected_m: the masked layout's scheduling hint.
     """
 
@@ -242,11 +249,25 @@ class GemmStatics:
     out_dtype: jnp.dtype
     alignment: int | None = None
     wgrad: object = AUTO
+    dgrad: grouped_gemm.GroupedGemm | None = None
+    recipe: object = None
     expected_m: int | None = None
 
+    def fp8_rows(self, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """a [..., K] quantized per row per 128 columns, with its scales [..., K/128]."""
+        impl = AUTO if self.recipe is None else self.recipe.quant_impl
+        q, s = act_quant.group_quant(a.reshape(-1, a.shape[-1]), impl=impl)
+        return q.reshape(a.shape), s.reshape(*a.shape[:-1], -1)
 
-def _is_fp8(*arrays: jax.Array | None) -> bool:
-    return any(a is not None and a.dtype == quant.FP8_DTYPE for a in arrays)
+    def dgrad_for(self, x, w, **layout) -> grouped_gemm.GroupedGemm:
+        """The dgrad's backend for the forward of rows x and weights w."""
+        if self.dgrad is not None:
+            return self.dgrad
+        from moe_jax.plan import FP8, dgrad_gemm  # the one place backends are chosen
+
+        fp8 = dict(x_dtype=FP8, w_dtype=FP8) if self.recipe or w.dtype == quant.FP8_DTYPE else {}
+        problem = grouped_gemm.GemmProblem.of(x, w, alignment=self.alignment, **layout, **fp8)
+        return dgrad_gemm(self.backend, problem)[0]
 
 
 def grouped_gemm_contiguous(
@@ -261,51 +282,85 @@ def grouped_gemm_contiguous(
     alignment: int,
     out_dtype: jnp.dtype,
     wgrad=AUTO,
+    dgrad: grouped_gemm.GroupedGemm | None = None,
+    recipe=None,
 ) -> jax.Array:
     """`backend.contiguous(...)` with a VJP (module docstring): [M, K] x [E, N, K] -> [M, N].
 
-    Args as `GroupedGemm.contiguous`; `wgrad` chooses the weight-gradient implementation.
+    Args as `GroupedGemm.contiguous`; float x with FP8 w (and `w_scales`) or with `recipe` runs
+    an FP8 GEMM of the quantized rows. `wgrad` and `dgrad` choose the backward's kernels.
     """
-    kwargs = dict(alignment=alignment, out_dtype=out_dtype)
-    if _is_fp8(x, w):
-        return _inference_only(
-            functools.partial(backend.contiguous, **kwargs),
-            x,
-            w,
-            expert_ids,
-            expert_ends,
-            x_scales=x_scales,
-            w_scales=w_scales,
-        )
     statics = GemmStatics(
-        backend=backend, out_dtype=jnp.dtype(out_dtype), alignment=alignment, wgrad=wgrad
+        backend=backend,
+        out_dtype=jnp.dtype(out_dtype),
+        alignment=alignment,
+        wgrad=wgrad,
+        dgrad=dgrad,
+        recipe=recipe,
     )
-    return _contiguous_vjp(statics, x, w, expert_ids, expert_ends)
+    return _contiguous_vjp(statics, x, x_scales, w, w_scales, expert_ids, expert_ends)
+
+
+def _frozen(primals) -> list[str | None]:
+    """(x, x_scales, w, w_scales, ...)'s FP8 operands, those beside scales, held constant."""
+    names = ("x", "x_scales", "w", "w_scales") + (None,) * (len(primals) - 4)
+    return [n if n and primals[i | 1] is not None else None for i, n in enumerate(names)]
+
+
+def _contiguous_forward(statics, x, x_scales, w, w_scales, expert_ids, expert_ends):
+    """(y, (the dgrad's weights, their scales)): w itself, or the FP8 w^T [E, K, N]."""
+    if statics.recipe is not None:
+        w, w_scales, wt, wt_scales = statics.recipe.quantize(w)
+    elif w_scales is not None:
+        wt, wt_scales = jnp.swapaxes(w, 1, 2), jnp.swapaxes(w_scales, 1, 2)
+    else:
+        wt, wt_scales = w, None
+    if w_scales is not None and x_scales is None:  # float rows
+        x, x_scales = statics.fp8_rows(x)
+    y = statics.backend.contiguous(
+        x,
+        w,
+        expert_ids,
+        expert_ends,
+        x_scales=x_scales,
+        w_scales=w_scales,
+        alignment=statics.alignment,
+        out_dtype=statics.out_dtype,
+    )
+    return y, (wt, wt_scales)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _contiguous_vjp(statics, x, w, expert_ids, expert_ends):
-    return statics.backend.contiguous(
-        x, w, expert_ids, expert_ends, alignment=statics.alignment, out_dtype=statics.out_dtype
+def _contiguous_vjp(statics, x, x_scales, w, w_scales, expert_ids, expert_ends):
+    return _contiguous_forward(statics, x, x_scales, w, w_scales, expert_ids, expert_ends)[0]
+
+
+def _contiguous_fwd(statics, *primals):
+    x, x_scales, w, w_scales, expert_ids, expert_ends = primal_values(primals, _frozen(primals))
+    y, (wt, wt_scales) = _contiguous_forward(
+        statics, x, x_scales, w, w_scales, expert_ids, expert_ends
     )
-
-
-def _contiguous_fwd(statics, x, w, expert_ids, expert_ends):
-    y = _contiguous_vjp(statics, x, w, expert_ids, expert_ends)
-    return y, (x, w, expert_ids, expert_ends)
+    return y, (x, w, wt, wt_scales, expert_ids, expert_ends)
 
 
 def _contiguous_bwd(statics, residuals, g):
-    x, w, expert_ids, expert_ends = residuals
-    g = jnp.where((expert_ids >= 0)[:, None], g, jnp.zeros((), g.dtype)).astype(x.dtype)
-    problem = transposed_problem(grouped_gemm.GemmProblem.of(x, w, alignment=statics.alignment))
-    dgrad = select_dgrad(statics.backend, problem)
-    dx = dgrad.contiguous_dgrad(
-        g, w, expert_ids, expert_ends, alignment=statics.alignment, out_dtype=x.dtype
-    )
+    x, w, wt, wt_scales, expert_ids, expert_ends = residuals
+    dtype = x.dtype if statics.recipe is None else jnp.bfloat16  # the recipe's dy and x: bf16
+    g = jnp.where((expert_ids >= 0)[:, None], instantiate(g), 0).astype(dtype)
+    dgrad = statics.dgrad_for(x, w)
+    kwargs = dict(alignment=statics.alignment, out_dtype=x.dtype)
+    if wt_scales is None:
+        dx = dgrad.contiguous_dgrad(g, w, expert_ids, expert_ends, **kwargs)
+    else:
+        gq, gs = statics.fp8_rows(g)
+        dx = dgrad.contiguous(
+            gq, wt, expert_ids, expert_ends, x_scales=gs, w_scales=wt_scales, **kwargs
+        )
+    if w.dtype == quant.FP8_DTYPE:  # held constant
+        return dx, None, None, None, None, None
     dw = grouped_wgrad_zero_padded(
         g,
-        x,
+        x.astype(dtype),
         expert_ids,
         expert_ends,
         num_experts=w.shape[0],
@@ -313,10 +368,10 @@ def _contiguous_bwd(statics, residuals, g):
         out_dtype=w.dtype,
         impl=statics.wgrad,
     )
-    return dx, dw, None, None
+    return dx, None, dw, None, None, None
 
 
-_contiguous_vjp.defvjp(_contiguous_fwd, _contiguous_bwd)
+_contiguous_vjp.defvjp(_contiguous_fwd, _contiguous_bwd, symbolic_zeros=True)
 
 
 def grouped_gemm_masked(
@@ -329,48 +384,56 @@ def grouped_gemm_masked(
     w_scales: jax.Array | None = None,
     expected_m: int | None = None,
     out_dtype: jnp.dtype,
+    dgrad: grouped_gemm.GroupedGemm | None = None,
 ) -> jax.Array:
     """`backend.masked(...)` with a VJP: [E, max_m, K] x [E, N, K] -> [E, max_m, N].
 
-    The weight gradient is the dense batched product over the valid rows (rows past a count are
-    zeroed first), in float32.
+    Float x with FP8 w runs the FP8 GEMM of the quantized rows (module docstring). The weight
+    gradient is the dense batched product over the valid rows (rows past a count are zeroed
+    first), in float32.
     """
-    kwargs = dict(expected_m=expected_m, out_dtype=out_dtype)
-    if _is_fp8(x, w):
-        return _inference_only(
-            functools.partial(backend.masked, **kwargs),
-            x,
-            w,
-            num_rows_per_expert,
-            x_scales=x_scales,
-            w_scales=w_scales,
-        )
-    statics = GemmStatics(backend=backend, out_dtype=jnp.dtype(out_dtype), expected_m=expected_m)
-    return _masked_vjp(statics, x, w, num_rows_per_expert)
+    statics = GemmStatics(
+        backend=backend, out_dtype=jnp.dtype(out_dtype), expected_m=expected_m, dgrad=dgrad
+    )
+    return _masked_vjp(statics, x, x_scales, w, w_scales, num_rows_per_expert)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _masked_vjp(statics, x, w, num_rows_per_expert):
+def _masked_vjp(statics, x, x_scales, w, w_scales, num_rows_per_expert):
+    if w_scales is not None and x_scales is None:  # float rows
+        x, x_scales = statics.fp8_rows(x)
     return statics.backend.masked(
-        x, w, num_rows_per_expert, expected_m=statics.expected_m, out_dtype=statics.out_dtype
+        x,
+        w,
+        num_rows_per_expert,
+        x_scales=x_scales,
+        w_scales=w_scales,
+        expected_m=statics.expected_m,
+        out_dtype=statics.out_dtype,
     )
 
 
-def _masked_fwd(statics, x, w, num_rows_per_expert):
-    return _masked_vjp(statics, x, w, num_rows_per_expert), (x, w, num_rows_per_expert)
+def _masked_fwd(statics, *primals):
+    values = primal_values(primals, _frozen(primals))
+    return _masked_vjp(statics, *values), values
 
 
 def _masked_bwd(statics, residuals, g):
-    x, w, counts = residuals
+    x, _, w, w_scales, counts = residuals
     is_valid = (jnp.arange(x.shape[1])[None, :] < counts[:, None])[..., None]
-    g = jnp.where(is_valid, g, jnp.zeros((), g.dtype)).astype(x.dtype)
-    problem = transposed_problem(
-        grouped_gemm.GemmProblem.of(x, w, layout="masked", alignment=statics.alignment)
+    g = jnp.where(is_valid, instantiate(g), 0).astype(x.dtype)
+    g, g_scales = (g, None) if w_scales is None else statics.fp8_rows(g)
+    dx = statics.dgrad_for(x, w, layout="masked").masked(
+        g,
+        jnp.swapaxes(w, 1, 2),
+        counts,
+        x_scales=g_scales,
+        w_scales=None if w_scales is None else jnp.swapaxes(w_scales, 1, 2),
+        expected_m=statics.expected_m,
+        out_dtype=x.dtype,
     )
-    dgrad = select_dgrad(statics.backend, problem)
-    dx = dgrad.masked(
-        g, jnp.swapaxes(w, 1, 2), counts, expected_m=statics.expected_m, out_dtype=x.dtype
-    )
+    if w_scales is not None:  # held constant
+        return dx, None, None, None, None
     dw = jnp.einsum(
         "emn,emk->enk",
         g,
@@ -378,29 +441,7 @@ def _masked_bwd(statics, residuals, g):
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
-    return dx, dw.astype(w.dtype), None
+    return dx, None, dw.astype(w.dtype), None, None
 
 
-_masked_vjp.defvjp(_masked_fwd, _masked_bwd)
-
-
-def _inference_only(call, *args, x_scales, w_scales):
-    """Runs an FP8 GEMM whose backward raises (gradients through FP8 weights are undefined)."""
-    return _fp8_inference_vjp(call, args, (x_scales, w_scales))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_inference_vjp(call, args, scales):
-    return call(*args, x_scales=scales[0], w_scales=scales[1])
-
-
-def _fp8_inference_fwd(call, args, scales):
-    return _fp8_inference_vjp(call, args, scales), None
-
-
-def _fp8_inference_bwd(call, residuals, g):
-    del call, residuals, g
-    raise TypeError(FP8_WEIGHTS_MESSAGE)
-
-
-_fp8_inference_vjp.defvjp(_fp8_inference_fwd, _fp8_inference_bwd)
+_masked_vjp.defvjp(_masked_fwd, _masked_bwd, symbolic_zeros=True)

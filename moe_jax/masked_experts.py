@@ -15,7 +15,7 @@ import dataclasses
 
 import jax
 
-from moe_jax import grouped_gemm, layouts
+from moe_jax import grouped_gemm, layouts, quant
 from moe_jax.experts import (
     Experts,
     ExpertsCall,
@@ -51,7 +51,8 @@ def masked_mlp(
 
     Args:
       rows: [E, max_m, H] activations (FP8 with `row_scales` float32[E, max_m, H // 128] on the
-        FP8 path); rows at or past `num_rows_per_expert[e]` are ignored.
+        FP8 path; float rows meeting FP8 weights are quantized in the GEMMs, differentiably with
+        the weights held constant); rows at or past `num_rows_per_expert[e]` are ignored.
       num_rows_per_expert: int32[E] valid rows (DeepGEMM's masked_m).
       gemm: GEMM backend name, object or "auto".
       num_pairs: routed pairs the blocks hold at most (for the backend choice).
@@ -63,11 +64,13 @@ def masked_mlp(
       unspecified.
     """
     num_experts, max_m = rows.shape[:2]
-    gemm1, gemm2 = masked_gemms(gemm, weights, num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m)
+    gemms, dgrads = masked_gemms(
+        gemm, weights, num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m
+    )
     mid_dtype = intermediate_dtype(rows.dtype, call)
     expected_m = max_m if expected_m is None else expected_m
     h = grouped_gemm_masked(
-        gemm1,
+        gemms[0],
         rows,
         weights.w1,
         num_rows_per_expert,
@@ -75,12 +78,15 @@ def masked_mlp(
         w_scales=weights.w1_scale,
         expected_m=expected_m,
         out_dtype=mid_dtype,
+        dgrad=dgrads[0],
     )
+    if rows.dtype != quant.FP8_DTYPE:  # float rows: GEMM2 quantizes the activation itself
+        call = dataclasses.replace(call, quant_config=None)
     a, a_scales = activate(h.reshape(num_experts * max_m, -1), call, impl=act_quant_impl)
     if a_scales is not None:
         a_scales = a_scales.reshape(num_experts, max_m, -1)
     return grouped_gemm_masked(
-        gemm2,
+        gemms[1],
         a.reshape(num_experts, max_m, -1),
         weights.w2,
         num_rows_per_expert,
@@ -88,6 +94,7 @@ def masked_mlp(
         w_scales=weights.w2_scale,
         expected_m=expected_m,
         out_dtype=mid_dtype,
+        dgrad=dgrads[1],
     )
 
 

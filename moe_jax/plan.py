@@ -4,9 +4,10 @@
 (`moe_jax.experts.ExpertsProblem`: shapes, dtypes, activation, platform) and the user's choices
 (per stage a name, an implementation object or "auto"). It is the one place that decides: the
 order "auto" tries the grouped GEMMs, the fused GEMM1s and the weight gradients in is computed
-here (`gemm_order`, `fused_gemm1_order`, `wgrad_order`, which those registries call), and every
-number they use is in `THRESHOLDS`. `ContiguousExperts.apply` runs the plan's stages and
-decides nothing; `python -m moe_jax info --plan` prints it. Planning runs in Python at trace time.
+here (`gemm_order`, `fused_gemm1_order`, `wgrad_order`, which those registries call), so is the
+backward's dgrad (`dgrad_gemm`), and every number they use is in `THRESHOLDS`.
+`ContiguousExperts.apply` runs the plan's stages and decides nothing; `python -m moe_jax info
+--plan` prints it. Planning runs in Python at trace time.
 
 A plan's stages (`ExpertsPlan.describe` prints them with their reasons and the candidates skipped):
 
@@ -17,7 +18,8 @@ A plan's stages (`ExpertsPlan.describe` prints them with their reasons and the c
     gemm2      a `GroupedGemm`
     unpermute  the weighted gather back to [T, H]
     alignment  the layout's segment multiple (rows)
-    wgrad      the weight gradient of each GEMM (none for FP8 inference)
+    dgrad      the backward's GEMM of each GEMM (dy times w^T), on float rows only
+    wgrad      the weight gradient of each GEMM (none for FP8 weights)
     recompute  what the backward recomputes (`RECOMPUTE_POLICIES`)
 """
 
@@ -122,6 +124,19 @@ def wgrad_order(problem: grouped_gemm.GemmProblem) -> tuple[tuple[str, ...], str
     return ("torch", "pallas", "xla"), f"{rows:g} rows per expert: torch first"
 
 
+def dgrad_gemm(
+    forward: grouped_gemm.GroupedGemm, problem: grouped_gemm.GemmProblem
+) -> tuple[grouped_gemm.GroupedGemm, str, dict[str, str]]:
+    """(backend, why, {skipped: why}) of the dgrad of a GEMM that `forward` runs on `problem`:
+    dy [rows, N] x w^T [E, K, N] -> [rows, K], the transposed problem (FP8 under FP8 weights or
+    the recipe). The forward's backend where it runs it, else "auto"'s first."""
+    dgrad = dataclasses.replace(problem, n=problem.k, k=problem.n)
+    if (why := forward.unsupported_reason(dgrad)) is None:
+        return forward, f"the forward's {forward.name} runs dy x w^T", {}
+    impl, reason, skipped = _choose(GEMMS, AUTO, dgrad, argument="gemm", why=gemm_order(dgrad)[1])
+    return impl, reason, {forward.name: why, **skipped}
+
+
 class PlanError(NoImplementationError, ValueError):
     """A choice (or combination) that cannot run the problem, raised while planning; the
     message names the argument. `refusals` maps each refused implementation to its reason."""
@@ -144,7 +159,8 @@ class ExpertsPlan:
       act_quant_impl: act + quantization's implementation (name); None when GEMM1 fused it
         or on the float path (act(gate) * up in XLA).
       unpermute_impl: the weighted gather's implementation (name).
-      wgrads: each GEMM's weight-gradient implementation; None without a backward (FP8).
+      dgrads: each GEMM's dgrad backend; None without a backward (FP8 rows: inference).
+      wgrads: each GEMM's weight-gradient implementation; None for FP8 weights (held constant).
       recipe: the FP8 training recipe, or None.
       recompute: the `RECOMPUTE_POLICIES` name.
       reasons: stage -> why it runs what it runs.
@@ -158,6 +174,7 @@ class ExpertsPlan:
     permute_impl: str | None
     act_quant_impl: str | None
     unpermute_impl: str
+    dgrads: tuple[grouped_gemm.GroupedGemm, grouped_gemm.GroupedGemm] | None
     wgrads: tuple[Any, Any] | None
     recipe: Any
     recompute: str
@@ -184,11 +201,8 @@ class ExpertsPlan:
     def stages(self) -> dict[str, str]:
         """Stage -> what runs there, in execution order."""
         fused = " (fused: GEMM1 + act(gate) * up + FP8 quantization)"
-        wgrad = (
-            "none (FP8 inference)"
-            if self.wgrads is None
-            else " / ".join(w.name for w in self.wgrads)
-        )
+        dgrad = "none (FP8 rows: inference)"
+        wgrad = "none (FP8 weights are held constant)"
         return {
             "arrange": f"{self.arrange} ({self.permute_impl or 'routing metadata only'})",
             "gemm1": self.gemm1.name + (fused if self.fuses_act_quant else ""),
@@ -196,7 +210,8 @@ class ExpertsPlan:
             "gemm2": self.gemm2.name,
             "unpermute": self.unpermute_impl,
             "alignment": f"{self.alignment} rows",
-            "wgrad": wgrad,
+            "dgrad": " / ".join(d.name for d in self.dgrads) if self.dgrads else dgrad,
+            "wgrad": " / ".join(w.name for w in self.wgrads) if self.wgrads else wgrad,
             "recompute": self.recompute,
         }
 
@@ -279,18 +294,20 @@ def gemm_problems(
     )
 
 
-def masked_gemms(
-    gemm, weights, *, num_pairs: int, x_dtype, max_m: int
-) -> tuple[grouped_gemm.GroupedGemm, grouped_gemm.GroupedGemm]:
-    """GEMM1's and GEMM2's backends on the masked layout (`MaskedExperts`, `masked_mlp`) for
-    `ExpertWeights` `weights`, rows of `x_dtype` and at most `num_pairs` routed pairs."""
-    rows = jax.ShapeDtypeStruct((weights.num_experts, max_m, 0), x_dtype)  # of() reads [E, max_m]
-    problems = (
+def masked_gemms(gemm, weights, *, num_pairs: int, x_dtype, max_m: int) -> tuple[tuple, Any]:
+    """((GEMM1's, GEMM2's backends), (their dgrads'; None on FP8 rows)) on the masked layout
+    (`MaskedExperts`, `masked_mlp`) for `ExpertWeights` `weights`, rows of `x_dtype` (quantized
+    in the GEMMs where float rows meet FP8 weights) and at most `num_pairs` routed pairs."""
+    dtype = quant.FP8_DTYPE if weights.is_fp8 else x_dtype
+    rows = jax.ShapeDtypeStruct((weights.num_experts, max_m, 0), dtype)  # of() reads [E, max_m]
+    problems = [
         grouped_gemm.GemmProblem.of(rows, w, layout="masked", num_pairs=num_pairs)
         for w in (weights.w1, weights.w2)  # shapes and dtypes as `moe_jax.moe_inputs` checked
-    )
-    gemm1, gemm2 = (_choose(GEMMS, gemm, p, argument="gemm")[0] for p in problems)
-    return gemm1, gemm2
+    ]
+    gemms = tuple(_choose(GEMMS, gemm, p, argument="gemm")[0] for p in problems)
+    if jnp.dtype(x_dtype) == quant.FP8_DTYPE:
+        return gemms, (None, None)
+    return gemms, tuple(dgrad_gemm(g, p)[0] for g, p in zip(gemms, problems, strict=True))
 
 
 def check_choices(*, recompute: str, fused_act_quant, recipe) -> None:
@@ -320,8 +337,10 @@ def plan(
 
     GEMM1's backend sets the segment multiple unless `alignment` is given (`segment_alignment`);
     GEMM2 takes it too ("auto" moves on to a backend that does). `fused_act_quant="auto"` fuses
-    GEMM1 only beside `gemm="auto"` and without `recipe`, where `fused_gemm1_order` names a
-    backend that runs; a gathered one makes the layer route instead of permuting.
+    GEMM1 only beside `gemm="auto"` and FP8 rows, where `fused_gemm1_order` names a backend that
+    runs; a gathered one makes the layer route instead of permuting. Float rows with FP8 weights
+    (differentiated with the weights held constant) run like the recipe's: the GEMMs quantize
+    the rows, act(gate) * up stays in float, and no fused GEMM1 (a named one is left out).
 
     Raises:
       PlanError: a named choice refuses the problem, or choices that cannot go together; a
@@ -334,13 +353,20 @@ def plan(
         impl, reasons[stage], refusals[stage] = chosen
         return impl
 
+    def note_both(stage, chosen):  # one choice per GEMM
+        (first, why1, skipped1), (second, why2, skipped2) = chosen
+        reasons[stage] = why1 if why1 == why2 else f"GEMM1 {why1}; GEMM2 {why2}"
+        refusals[stage] = skipped1 | skipped2
+        return first, second
+
     check_choices(recompute=recompute, fused_act_quant=fused_act_quant, recipe=recipe)
-    gemm_dtype = None  # the GEMMs' operand dtype: the problem's, or FP8 under the recipe
     if recipe is not None:
         recipe.check(
             hidden=problem.hidden, intermediate=problem.intermediate, w_dtype=problem.weight_dtype
         )
-        gemm_dtype = FP8
+    fp8_rows, fp8_weights = problem.x_dtype == FP8, problem.weight_dtype == FP8
+    quantizes_rows = recipe is not None or (fp8_weights and not fp8_rows)  # in the GEMMs
+    gemm_dtype = FP8 if recipe is not None or fp8_weights else None  # None: the problem's
     auto = gemm == AUTO
     p1, _ = gemm_problems(problem, alignment=alignment, dtype=gemm_dtype)
     gemm1 = note("gemm1", _choose(GEMMS, gemm, p1, argument="gemm", why=auto and gemm_order(p1)[1]))
@@ -354,10 +380,10 @@ def plan(
     fused_problem = FusedGemm1Problem(
         gemm=p1, activation=problem.activation, group_size=problem.group_size
     )
-    if recipe is None and fused_act_quant not in (None, AUTO):
+    if not quantizes_rows and fused_act_quant not in (None, AUTO):
         fused = _choose(FUSED_GEMM1S, fused_act_quant, fused_problem, argument="fused_act_quant")
         gemm1 = note("gemm1", fused)
-    elif recipe is None and fused_act_quant == AUTO and auto:
+    elif not quantizes_rows and fused_act_quant == AUTO and auto:
         names, why = fused_gemm1_order(fused_problem)
         fused = FUSED_GEMM1S.first_accepting(names, fused_problem)
         for name in names[: names.index(fused.name) if fused else None]:
@@ -368,7 +394,7 @@ def plan(
             reasons["gemm1"] += f"; not fused: {why if not names else 'no fused GEMM1 runs'}"
     fused = isinstance(gemm1, FusedGemm1)
     act_quant_name = None
-    if problem.group_size is not None and recipe is None and not fused:
+    if fp8_rows and not fused:
         op = OpProblem(
             platform=problem.platform, dtype=problem.mid_dtype, activation=problem.activation
         )
@@ -384,20 +410,23 @@ def plan(
     op = OpProblem(platform=problem.platform, dtype=problem.mid_dtype)
     unpermute = _choose(UNPERMUTES, permute_impl, op, argument="permute_impl")
     unpermute_name = note("unpermute", unpermute).name
-    wgrads = None
-    if problem.weight_dtype != FP8:  # FP8 weights are inference only: no backward
-        rows = layouts.contiguous_num_rows(
-            problem.num_tokens, problem.topk, problem.num_experts, alignment
+    num_rows = layouts.contiguous_num_rows(
+        problem.num_tokens, problem.topk, problem.num_experts, alignment
+    )
+    dgrads = wgrads = None
+    if not fp8_rows:  # float rows have a backward
+        pairs = ((gemm1, p1), (gemm2, p2))
+        dgrads = note_both(
+            "dgrad", [dgrad_gemm(g, dataclasses.replace(p, num_pairs=num_rows)) for g, p in pairs]
         )
+    if not fp8_weights:  # FP8 weights are held constant
         dtype = "bfloat16" if recipe is not None else problem.x_dtype  # dy and x of the wgrad
         chosen = []
         for p in (p1, p2):
-            p = dataclasses.replace(p, num_pairs=rows, x_dtype=dtype, w_dtype=dtype)
+            p = dataclasses.replace(p, num_pairs=num_rows, x_dtype=dtype, w_dtype=dtype)
             why = wgrad == AUTO and wgrad_order(p)[1]
-            impl, reasons["wgrad"], skipped = _choose(WGRADS, wgrad, p, argument="wgrad", why=why)
-            chosen.append(impl)
-            refusals.setdefault("wgrad", {}).update(skipped)
-        wgrads = tuple(chosen)
+            chosen.append(_choose(WGRADS, wgrad, p, argument="wgrad", why=why))
+        wgrads = note_both("wgrad", chosen)
     return ExpertsPlan(
         problem=problem,
         gemm1=gemm1,
@@ -406,6 +435,7 @@ def plan(
         permute_impl=permute_name,
         act_quant_impl=act_quant_name,
         unpermute_impl=unpermute_name,
+        dgrads=dgrads,
         wgrads=wgrads,
         recipe=recipe,
         recompute=recompute,

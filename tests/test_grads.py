@@ -27,7 +27,7 @@ import numpy as np
 import oracles
 import pytest
 
-from moe_jax import fused_moe, layouts, permute, quant
+from moe_jax import fused_moe, layouts, permute
 from moe_jax.activation import act_and_mul
 from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.masked_experts import MASKED_SUFFIX, MaskedExperts
@@ -180,29 +180,6 @@ def test_grads_tiny_batches(num_tokens):
     for got, want in zip(grads, expected, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-
-
-def test_fp8_weights_refuse_gradients():
-    rng = np.random.default_rng(4)
-    w1q, w1s = quant.per_block_quant_fp8(jnp.asarray(rng.normal(size=(E, 256, 128)) / 16))
-    w2q, w2s = quant.per_block_quant_fp8(jnp.asarray(rng.normal(size=(E, 128, 128)) / 16))
-    x = jnp.asarray(rng.normal(size=(T, 128)), jnp.bfloat16)
-
-    def loss(x):
-        out = fused_moe(
-            x,
-            w1q,
-            w2q,
-            jnp.ones((T, 1)),
-            jnp.zeros((T, 1), jnp.int32),
-            w1_scale=w1s,
-            w2_scale=w2s,
-            experts="xla",
-        )
-        return out.astype(jnp.float32).sum()
-
-    with pytest.raises(TypeError, match="float8_e4m3fn expert weights"):
-        jax.eval_shape(jax.grad(loss), x)
 
 
 def test_unpermute_backward_matches_oracle():
