@@ -10,10 +10,8 @@ Whole layer:
   bench_ratio         current / baseline table of `bench --json` files (gpu_check.sh baseline)
 Kernels:
   gemm_sweep          tile sweep of the decode grouped GEMMs (Pallas, Mosaic)
-  wgrad_bench         the grouped weight-gradient kernels
   sanitize_kernels    every compiled kernel once, for compute-sanitizer (gpu_check.sh sanitize)
 Interop:
-  interop_bench       DeepGEMM and torch grouped GEMMs from jax.jit against torch's own calls
   deep_ep_ll_bench    DeepEP low latency through moe_jax on one GPU, run as a file: `python -m
                       moe_jax.distributed --num-processes 1 benchmarks/deep_ep_ll_bench.py`
 """

@@ -24,7 +24,7 @@ Command-buffer mode (`--graph`, run with XLA_FLAGS letting XLA capture custom ca
 (including calls on fresh input buffers, which XLA re-captures), with the number of DeepEP calls
 Python made while timing (0 when XLA replays its graphs), against the direct chain captured in a
 torch CUDA graph and replayed; and the whole LL layer (`ll_layer`) in that mode. The bridge's own
-host cost (a jitted no-op `torch_callback`) is `benchmarks.interop_bench`'s.
+host cost (a jitted no-op `torch_callback`) is BENCHMARKS.md's Interop figure.
 
 Graph-mode timings also report a steady state per round trip: each sample times 5 and then 20
 chains back to back, and the difference over the extra chains drops the sample's fixed lead-in

@@ -1,5 +1,5 @@
-"""The tools of benchmarks/ (`python -m benchmarks.gemm_sweep`, `.interop_bench`,
-`.kernel_gaps`, `.stage_breakdown`) on the CPU."""
+"""The tools of benchmarks/ (`python -m benchmarks.gemm_sweep`, `.kernel_gaps`,
+`.stage_breakdown`) on the CPU."""
 
 import doctest
 import json
@@ -13,16 +13,8 @@ from moe_jax.cli import layer_bench, timing
 from moe_jax.kernels import mosaic_fp8_gemm
 
 gemm_sweep = script_modules.benchmark("gemm_sweep")
-interop_bench = script_modules.benchmark("interop_bench")
 kernel_gaps = script_modules.benchmark("kernel_gaps")
 stage_breakdown = script_modules.benchmark("stage_breakdown")
-
-
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
-def test_interop_bench_refuses_without_a_gpu(capsys):
-    pytest.importorskip("torch", reason="the interop benchmark imports torch first")
-    assert interop_bench.main(["--iters", "1", "--reps", "1"]) == 2
-    assert "needs a GPU" in capsys.readouterr().err
 
 
 @pytest.mark.slow
