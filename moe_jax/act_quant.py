@@ -74,20 +74,13 @@ NO_GRADIENT_MESSAGE = (
 
 def without_gradient(fn: Callable[[jax.Array], tuple[jax.Array, jax.Array]]):
     """`fn` as a function whose differentiation raises TypeError(NO_GRADIENT_MESSAGE)."""
-
-    @jax.custom_vjp
-    def call(x):
-        return fn(x)
-
-    def forward(x):
-        return fn(x), None
-
-    def backward(residuals, cotangents):
-        del residuals, cotangents
-        raise TypeError(NO_GRADIENT_MESSAGE)
-
-    call.defvjp(forward, backward)
+    call = jax.custom_vjp(fn)
+    call.defvjp(lambda x: (fn(x), None), _refuse_gradient)
     return call
+
+
+def _refuse_gradient(residuals, cotangents):
+    raise TypeError(NO_GRADIENT_MESSAGE)
 
 
 def _refuse_compiled(problem: OpProblem) -> str | None:

@@ -167,10 +167,7 @@ class ContiguousExperts(Experts):
 
     def first_gemm(self, lay, weights: ExpertWeights, *, plan: ExpertsPlan, call: ExpertsCall):
         """[M, H] rows -> [M, 2I] in the intermediate dtype."""
-        dtype = intermediate_dtype(lay.rows.dtype, call)
-        return self._gemm(
-            0, lay.rows, lay.row_scales, weights.w1, weights.w1_scale, lay, plan, dtype
-        )
+        return self._gemm(0, lay.rows, lay.row_scales, weights, lay, plan, call)
 
     def first_gemm_act_quant(
         self,
@@ -204,18 +201,18 @@ class ContiguousExperts(Experts):
             impl=plan.gemm1,
         )
 
-    def _gemm(self, stage: int, x, x_scales, w, w_scales, lay, plan: ExpertsPlan, out_dtype):
+    def _gemm(self, stage: int, x, x_scales, weights, lay, plan: ExpertsPlan, call):
         """GEMM `stage` (0: GEMM1, 1: GEMM2) with the plan's backends for it and its backward."""
         return grouped_gemm_contiguous(
             (plan.gemm1, plan.gemm2)[stage],
             x,
-            w,
+            (weights.w1, weights.w2)[stage],
             lay.expert_ids,
             lay.expert_ends,
             x_scales=x_scales,
-            w_scales=w_scales,
+            w_scales=(weights.w1_scale, weights.w2_scale)[stage],
             alignment=plan.alignment,
-            out_dtype=out_dtype,
+            out_dtype=intermediate_dtype(x.dtype, call),
             wgrad=None if plan.wgrads is None else plan.wgrads[stage],
             dgrad=None if plan.dgrads is None else plan.dgrads[stage],
             recipe=plan.recipe,  # which quantizes x and w itself
@@ -239,8 +236,7 @@ class ContiguousExperts(Experts):
         self, a, a_scales, lay, weights: ExpertWeights, *, plan: ExpertsPlan, call: ExpertsCall
     ):
         """[M, I] activations -> [M, H] in the intermediate dtype."""
-        dtype = intermediate_dtype(a.dtype, call)
-        return self._gemm(1, a, a_scales, weights.w2, weights.w2_scale, lay, plan, dtype)
+        return self._gemm(1, a, a_scales, weights, lay, plan, call)
 
     def unpermute(
         self, y, lay, prepared: PreparedTokens, call: ExpertsCall, *, plan: ExpertsPlan

@@ -74,10 +74,8 @@ def fused_moe(
     Returns:
       [T, H] in hidden_states.dtype.
 
-    Differentiable with respect to hidden_states and topk_weights; with respect to w1 and w2
-    too when they are float. FP8 weights are held constant: their gradients (and their
-    scales') raise a TypeError; the others take the FP8 forward straight through its
-    quantizers, the GEMMs quantizing float token rows themselves (the same values).
+    Differentiable; FP8 weights are held constant (a gradient to them or their scales raises
+    a TypeError), and the others go straight through the FP8 forward's quantizers.
 
     Under `jax.jit`, the arguments that are not arrays are static (a traced one raises a
     TypeError naming it): `jax.jit(fused_moe, static_argnames=("activation",

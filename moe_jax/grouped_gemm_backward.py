@@ -48,15 +48,13 @@ from moe_jax.routing import require_int
 
 
 def fp8_weights_error(name: str) -> TypeError:
-    """The refusal of a gradient to float8_e4m3fn weights or their scales, naming the argument."""
+    """The refusal of a gradient to an FP8 operand (weights, rows) or its scales, naming it."""
     return TypeError(
-        f"a gradient with respect to {name} (float8_e4m3fn or its scales): gradients through "
-        "float8_e4m3fn expert weights are not defined (they are an inference checkpoint, held "
-        "constant), nor through FP8 rows; gradients flow to float tokens (fused_moe and the Flax "
-        "MoE quantize them in the GEMMs), the router weights and the other layers. "
-        "Differentiate with respect to those only (Flax NNX: leave the FP8 params out of "
-        "nnx.grad's DiffState), or train float master weights, optionally with "
-        "ContiguousExperts(recipe=moe_jax.fp8_training.Fp8Training())"
+        f"a gradient with respect to {name}: gradients through float8_e4m3fn expert weights are "
+        "not defined (an inference checkpoint, held constant), nor through FP8 rows; they flow to "
+        "float tokens, the router weights and other layers: differentiate with respect to those "
+        "only (Flax NNX: leave the FP8 params out of nnx.grad's DiffState), or train float "
+        "master weights, optionally with ContiguousExperts(recipe=fp8_training.Fp8Training())"
     )
 
 
@@ -260,14 +258,13 @@ class GemmStatics:
         return q.reshape(a.shape), s.reshape(*a.shape[:-1], -1)
 
     def dgrad_for(self, x, w, **layout) -> grouped_gemm.GroupedGemm:
-        """The dgrad's backend for the forward of rows x and weights w."""
-        if self.dgrad is not None:
-            return self.dgrad
+        """`dgrad`, or for a call without one `moe_jax.plan.dgrad_gemm`'s (rows x, weights w)."""
         from moe_jax.plan import FP8, dgrad_gemm  # the one place backends are chosen
 
-        fp8 = dict(x_dtype=FP8, w_dtype=FP8) if self.recipe or w.dtype == quant.FP8_DTYPE else {}
-        problem = grouped_gemm.GemmProblem.of(x, w, alignment=self.alignment, **layout, **fp8)
-        return dgrad_gemm(self.backend, problem)[0]
+        if self.recipe is not None or w.dtype == quant.FP8_DTYPE:
+            layout |= dict(x_dtype=FP8, w_dtype=FP8)  # the GEMMs' operands
+        problem = grouped_gemm.GemmProblem.of(x, w, alignment=self.alignment, **layout)
+        return self.dgrad or dgrad_gemm(self.backend, problem)[0]
 
 
 def grouped_gemm_contiguous(
@@ -336,11 +333,9 @@ def _contiguous_vjp(statics, x, x_scales, w, w_scales, expert_ids, expert_ends):
 
 
 def _contiguous_fwd(statics, *primals):
-    x, x_scales, w, w_scales, expert_ids, expert_ends = primal_values(primals, _frozen(primals))
-    y, (wt, wt_scales) = _contiguous_forward(
-        statics, x, x_scales, w, w_scales, expert_ids, expert_ends
-    )
-    return y, (x, w, wt, wt_scales, expert_ids, expert_ends)
+    x, _, w, _, expert_ids, expert_ends = values = primal_values(primals, _frozen(primals))
+    y, wt = _contiguous_forward(statics, *values)
+    return y, (x, w, *wt, expert_ids, expert_ends)
 
 
 def _contiguous_bwd(statics, residuals, g):

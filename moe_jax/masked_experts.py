@@ -64,9 +64,7 @@ def masked_mlp(
       unspecified.
     """
     num_experts, max_m = rows.shape[:2]
-    gemms, dgrads = masked_gemms(
-        gemm, weights, num_pairs=num_pairs, x_dtype=rows.dtype, max_m=max_m
-    )
+    gemms, dgrads = masked_gemms(gemm, weights, rows, num_pairs=num_pairs)
     mid_dtype = intermediate_dtype(rows.dtype, call)
     expected_m = max_m if expected_m is None else expected_m
     h = grouped_gemm_masked(

@@ -294,18 +294,19 @@ def gemm_problems(
     )
 
 
-def masked_gemms(gemm, weights, *, num_pairs: int, x_dtype, max_m: int) -> tuple[tuple, Any]:
+def masked_gemms(gemm, weights, rows, *, num_pairs: int) -> tuple[tuple, tuple]:
     """((GEMM1's, GEMM2's backends), (their dgrads'; None on FP8 rows)) on the masked layout
-    (`MaskedExperts`, `masked_mlp`) for `ExpertWeights` `weights`, rows of `x_dtype` (quantized
-    in the GEMMs where float rows meet FP8 weights) and at most `num_pairs` routed pairs."""
-    dtype = quant.FP8_DTYPE if weights.is_fp8 else x_dtype
-    rows = jax.ShapeDtypeStruct((weights.num_experts, max_m, 0), dtype)  # of() reads [E, max_m]
+    (`MaskedExperts`, `masked_mlp`) for `ExpertWeights` `weights`, rows [E, max_m, H] (float
+    rows meeting FP8 weights are quantized in the GEMMs) and at most `num_pairs` routed pairs."""
+    dtype = quant.FP8_DTYPE if weights.is_fp8 else rows.dtype
     problems = [
-        grouped_gemm.GemmProblem.of(rows, w, layout="masked", num_pairs=num_pairs)
+        grouped_gemm.GemmProblem.of(
+            jax.ShapeDtypeStruct(rows.shape, dtype), w, layout="masked", num_pairs=num_pairs
+        )
         for w in (weights.w1, weights.w2)  # shapes and dtypes as `moe_jax.moe_inputs` checked
     ]
     gemms = tuple(_choose(GEMMS, gemm, p, argument="gemm")[0] for p in problems)
-    if jnp.dtype(x_dtype) == quant.FP8_DTYPE:
+    if rows.dtype == quant.FP8_DTYPE:
         return gemms, (None, None)
     return gemms, tuple(dgrad_gemm(g, p)[0] for g, p in zip(gemms, problems, strict=True))
 
@@ -349,15 +350,11 @@ def plan(
     """
     reasons, refusals = {}, {}
 
-    def note(stage, chosen):
-        impl, reasons[stage], refusals[stage] = chosen
-        return impl
-
-    def note_both(stage, chosen):  # one choice per GEMM
-        (first, why1, skipped1), (second, why2, skipped2) = chosen
-        reasons[stage] = why1 if why1 == why2 else f"GEMM1 {why1}; GEMM2 {why2}"
-        refusals[stage] = skipped1 | skipped2
-        return first, second
+    def note(stage, *chosen):  # one choice, or GEMM1's and GEMM2's
+        impls, whys, skipped = zip(*chosen, strict=True)
+        reasons[stage] = "; ".join(dict.fromkeys(whys))
+        refusals[stage] = {name: why for s in skipped for name, why in s.items()}
+        return impls if len(impls) > 1 else impls[0]
 
     check_choices(recompute=recompute, fused_act_quant=fused_act_quant, recipe=recipe)
     if recipe is not None:
@@ -416,8 +413,8 @@ def plan(
     dgrads = wgrads = None
     if not fp8_rows:  # float rows have a backward
         pairs = ((gemm1, p1), (gemm2, p2))
-        dgrads = note_both(
-            "dgrad", [dgrad_gemm(g, dataclasses.replace(p, num_pairs=num_rows)) for g, p in pairs]
+        dgrads = note(
+            "dgrad", *(dgrad_gemm(g, dataclasses.replace(p, num_pairs=num_rows)) for g, p in pairs)
         )
     if not fp8_weights:  # FP8 weights are held constant
         dtype = "bfloat16" if recipe is not None else problem.x_dtype  # dy and x of the wgrad
@@ -426,7 +423,7 @@ def plan(
             p = dataclasses.replace(p, num_pairs=num_rows, x_dtype=dtype, w_dtype=dtype)
             why = wgrad == AUTO and wgrad_order(p)[1]
             chosen.append(_choose(WGRADS, wgrad, p, argument="wgrad", why=why))
-        wgrads = note_both("wgrad", chosen)
+        wgrads = note("wgrad", *chosen)
     return ExpertsPlan(
         problem=problem,
         gemm1=gemm1,
