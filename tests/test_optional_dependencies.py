@@ -1,6 +1,7 @@
 """Optional dependencies stay optional: the library, its kernels, interop and CLI modules import
 and run a layer without flax, optax, torch, transformers, safetensors, deep_gemm and deep_ep; what
-needs one says which pyproject extra installs it.
+needs one (a module, or one of the package's lazy names) says which pyproject extra installs it.
+With all of them installed, `import moe_jax` loads none: tests/test_import_hygiene.py.
 
 Each check runs in a fresh interpreter in which those packages cannot be imported
 (`sys.modules[name] = None`), whatever this environment has installed.
@@ -42,7 +43,7 @@ def test_library_imports_and_runs_without_optional_dependencies():
         import moe_jax
         from moe_jax import cli, interop, kernels
 
-        optional = ("moe_jax.flax_layer", "moe_jax.hf_")
+        optional = ("moe_jax.flax_layer", "moe_jax.hf_", "moe_jax.models")  # Flax
         names = []
         for package in (moe_jax, kernels, interop, cli):
             for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
@@ -51,12 +52,20 @@ def test_library_imports_and_runs_without_optional_dependencies():
                     names.append(info.name)
         assert "moe_jax.interop.deep_gemm" in names and "moe_jax.cli.timing" in names, names
         x = jnp.ones((2, 8)); w1 = jnp.ones((2, 4, 8)) / 8; w2 = jnp.ones((2, 8, 2))
-        out = moe_jax.fused_moe(x, w1, w2, jnp.ones((2, 1)), jnp.array([[0], [1]]))
-        print("ran", out.shape)
+        print("ran", moe_jax.fused_moe(x, w1, w2, *moe_jax.fused_topk(jnp.ones((2, 2)), 1)).shape)
+        for name in ("MoE", "moe_from_pretrained"):  # the package's lazy names
+            try:
+                getattr(moe_jax, name)
+            except ImportError as error:
+                print(name, error)
         """
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ran (2, 8)" in proc.stdout
+    assert "MoE moe_jax.flax_layer needs Flax: pip install 'moe_jax[flax]'" in proc.stdout
+    assert "moe_from_pretrained moe_jax.hf_loading needs Flax: pip install 'moe_jax[hf]'" in (
+        proc.stdout
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,13 @@
-"""The package face: `moe_jax.__all__` is what a user calls, `import moe_jax` pulls in no optional
-dependency, and the Flax layer and the Hugging Face loaders are imported on first use."""
+"""The package face: `moe_jax.__all__` is what a user calls, and the Flax layer and the Hugging
+Face loaders are imported on first use (without Flax they name the extra:
+tests/test_optional_dependencies.py; `import moe_jax` loads no optional dependency:
+tests/test_import_hygiene.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import types
 
 import pytest
-from test_optional_dependencies import ROOT, _run_without_optional
 
 import moe_jax
 
@@ -60,26 +59,6 @@ def test_other_names_are_submodules_only():
         assert value.__name__ == f"moe_jax.{name}", f"moe_jax.{name} is {value.__name__}"
 
 
-def test_import_moe_jax_imports_no_optional_dependency():
-    """In this environment, where flax, torch and transformers are installed: none is loaded by
-    `import moe_jax` or by reading an eager public name."""
-    code = (
-        "import sys, moe_jax\n"
-        "moe_jax.fused_moe, moe_jax.quant, moe_jax.ModularMoE\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'flax', 'torch', 'transformers', 'safetensors', 'optax', 'matplotlib'}))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT / "tests",
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip() == "[]"
-
-
 def test_lazy_names_import_their_module_on_first_use():
     pytest.importorskip("flax", reason="MoE and the loaders need flax (extra 'flax')")
     from moe_jax import flax_layer, hf_loading
@@ -91,25 +70,3 @@ def test_lazy_names_import_their_module_on_first_use():
     assert set(PUBLIC) <= set(namespace)
     with pytest.raises(AttributeError, match="module 'moe_jax' has no attribute 'GEMMS'"):
         moe_jax.GEMMS  # noqa: B018  (in moe_jax.grouped_gemm)
-
-
-def test_without_flax_the_layer_runs_and_the_lazy_names_name_the_extra():
-    proc = _run_without_optional(
-        """
-        import jax.numpy as jnp
-        import moe_jax
-        x = jnp.ones((2, 8)); w1 = jnp.ones((2, 4, 8)) / 8; w2 = jnp.ones((2, 8, 2))
-        print("ran", moe_jax.fused_moe(x, w1, w2, *moe_jax.fused_topk(jnp.ones((2, 2)), 1)).shape)
-        for name in ("MoE", "moe_from_pretrained"):
-            try:
-                getattr(moe_jax, name)
-            except ImportError as error:
-                print(name, error)
-        """
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "ran (2, 8)" in proc.stdout
-    assert "MoE moe_jax.flax_layer needs Flax: pip install 'moe_jax[flax]'" in proc.stdout
-    assert "moe_from_pretrained moe_jax.hf_loading needs Flax: pip install 'moe_jax[hf]'" in (
-        proc.stdout
-    )
