@@ -71,8 +71,30 @@ def test_shape_a_runs_deep_gemm_unfused(gpu_host):
     assert (p.gemm1.name, p.gemm2.name, p.alignment) == ("deep_gemm", "deep_gemm", 128)
     assert not p.fuses_act_quant and p.arrange == "permute"
     assert (p.permute_impl, p.act_quant_impl, p.unpermute_impl) == ("pallas",) * 3
-    assert p.wgrads is None and p.recompute == "none"  # FP8 weights: inference only
+    assert p.dgrads is p.wgrads is None and p.recompute == "none"  # FP8 rows: inference only
     assert "FUSED_ACT_QUANT_MAX_K" in p.reasons["gemm1"]
+
+
+def test_shape_a_trains_with_the_forwards_gemms_as_dgrads(gpu_host):
+    p = plan(_problem(**SHAPE_A, fp8=False))
+    assert [d.name for d in p.dgrads] == ["deep_gemm", "deep_gemm"]
+    assert p.reasons["dgrad"] == "the forward's deep_gemm runs dy x w^T"
+
+
+@pytest.mark.parametrize("shape", [SHAPE_A, SHAPE_B, DECODE], ids=["A", "B", "decode"])
+def test_frozen_fp8_weights_run_float_rows_through_fp8_gemms_unfused(gpu_host, shape):
+    """bf16 tokens with FP8 weights (fused_moe under jax.grad): the FP8 GEMMs of the FP8
+    plan, quantizing the rows themselves; no act + quant kernel, no fused GEMM1, no wgrad."""
+    fp8 = plan(_problem(**shape))
+    p = plan(dataclasses.replace(_problem(**shape), x_dtype="bfloat16"))
+    assert (p.gemm2.name, p.alignment) == (fp8.gemm2.name, fp8.alignment)
+    assert not p.fuses_act_quant and p.arrange == "permute" and p.act_quant_impl is None
+    assert p.wgrads is None and [d.name for d in p.dgrads] == [p.gemm1.name, p.gemm2.name]
+    named = plan(
+        dataclasses.replace(_problem(**shape, platform="cpu"), x_dtype="float32"),
+        fused_act_quant="xla_gathered",  # left out: the GEMMs quantize float rows
+    )
+    assert named.gemm1.name == "xla" and named.arrange == "permute"
 
 
 def test_shape_b_routes_and_gathers_its_rows_in_the_fused_gemm1(gpu_host):
@@ -111,6 +133,7 @@ def test_the_cpu_runs_xla_everywhere(shape, fp8):
     assert p.arrange == "permute" and p.permute_impl == "xla"
     assert p.act_quant_impl == ("xla" if fp8 else None)
     assert p.wgrads is None if fp8 else [w.name for w in p.wgrads] == ["xla", "xla"]
+    assert p.dgrads is None if fp8 else [d.name for d in p.dgrads] == ["xla", "xla"]
 
 
 def test_the_cpu_plan_imports_no_kernel_module():
@@ -130,6 +153,7 @@ def test_a_recipe_plans_fp8_gemms_and_bf16_weight_gradients(gpu_host):
     recipe = moe_jax.fp8_training.Fp8Training()
     p = plan(_problem(**SHAPE_B, fp8=False), recipe=recipe)
     assert p.gemm1.name == "deep_gemm" and not p.fuses_act_quant
+    assert [d.name for d in p.dgrads] == ["deep_gemm", "deep_gemm"]  # FP8 dy x FP8 w^T
     assert [w.name for w in p.wgrads] == ["pallas", "pallas"]  # about 640 rows per expert
     p = plan(_problem(**SHAPE_A, fp8=False), recipe=recipe)  # about 1150 rows per expert
     if importlib.util.find_spec("torch") is None:  # torch's wgrad refuses; Pallas runs next
@@ -254,6 +278,44 @@ def test_apply_runs_the_stages_its_plan_names(monkeypatch):
     )
 
 
+class _NoWideDgrad(_SpyGemm):
+    """The spy GEMM, refusing problems with fewer output columns than reduction ones (GEMM2's
+    dgrad, [rows, H] x [E, I, H] with I < H)."""
+
+    def unsupported_reason(self, problem):
+        return "n < k" if problem.n < problem.k else super().unsupported_reason(problem)
+
+
+def test_a_dgrad_the_forwards_gemm_refuses_goes_to_auto():
+    problem = _problem(12, 4, 256, 128, topk=2, fp8=False, platform="cpu")
+    p = plan(problem, gemm=_NoWideDgrad())
+    assert [d.name for d in p.dgrads] == ["spy", "xla"] and p.refusals["dgrad"]["spy"] == "n < k"
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["frozen_fp8", "float32"])
+def test_the_backward_runs_the_plans_dgrads(monkeypatch, fp8):
+    """jax.grad through the layer calls the plan's dgrad backends, once per GEMM."""
+    spies = (_SpyGemm(), _SpyGemm())
+    build = ContiguousExperts.plan
+    monkeypatch.setattr(
+        ContiguousExperts,
+        "plan",
+        lambda self, problem: dataclasses.replace(build(self, problem), dgrads=spies),
+    )
+    (x, w1, w2, weights, ids), scales = _fp8_inputs()
+    if not fp8:  # the same weights in float32
+        w1, w2 = (
+            quant.dequant_per_block(w1, scales.pop("w1_scale")),
+            quant.dequant_per_block(w2, scales.pop("w2_scale")),
+        )
+
+    def loss(x):
+        return fused_moe(x, w1, w2, weights, ids, experts="xla", **scales).sum()
+
+    jax.grad(loss)(x.astype(jnp.float32))
+    assert [s.calls for s in spies] == [1, 1]
+
+
 def test_apply_keeps_what_the_recompute_plan_saves():
     experts = ContiguousExperts(gemm="xla", recompute="all")
     args, _ = _fp8_inputs()
@@ -280,6 +342,10 @@ def _stage(out: str, stage: str) -> str:
 def test_info_plan_prints_the_gpu_plans_of_a_b_and_decode(gpu_host, capsys):
     out = _info_plan(capsys, SHAPE_A, "--platform", "gpu")
     assert _stage(out, "gemm1") == "deep_gemm" and _stage(out, "gemm2") == "deep_gemm"
+    assert _stage(out, "dgrad") == "none (FP8 rows: inference)"
+    inference, frozen = out.split("under jax.grad (FP8 weights held constant, bf16 tokens):")
+    assert _stage(frozen, "dgrad") == "deep_gemm / deep_gemm"
+    assert "why: the forward's deep_gemm runs dy x w^T" in frozen
     assert "planned for gpu" in out if jax.default_backend() != "gpu" else True
     out = _info_plan(capsys, SHAPE_B, "--platform", "gpu")
     assert _stage(out, "arrange").startswith("route") and _stage(out, "gemm2") == "deep_gemm"

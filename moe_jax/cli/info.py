@@ -2,14 +2,17 @@
 
 `info --plan --tokens T --hidden H --intermediate I --experts E --topk k [--fp8] [--platform gpu]`
 prints the plan (`moe_jax.plan`) that `fused_moe(experts="auto")` runs for one such call, each
-stage with its reason and the candidates it skipped. `--platform` plans for another platform than
-this machine's (a GPU's plan on a CPU); backends that need a library, a GPU of a given compute
-capability or a jax version are then judged by this machine's installation, and say so.
+stage with its reason and the candidates it skipped; with `--fp8` also the plan it runs under
+`jax.grad` (the FP8 weights held constant, the GEMMs quantizing float tokens). `--platform`
+plans for another platform than this machine's (a GPU's plan on a CPU); backends that need a
+library, a GPU of a given compute capability or a jax version are then judged by this machine's
+installation, and say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -81,7 +84,8 @@ def plan_report(
     platform: str | None = None,
 ) -> str:
     """The plan of `experts="auto"` for one call of these sizes (bf16 tokens; FP8 block weights
-    with `is_fp8`, which quantizes the tokens in groups of 128), as text."""
+    with `is_fp8`, which quantizes the tokens in groups of 128, and then also the plan under
+    differentiation), as text."""
     from moe_jax.contiguous_experts import ContiguousExperts
     from moe_jax.experts import ExpertsProblem
 
@@ -108,7 +112,12 @@ def plan_report(
             f"(planned for {platform} on a {here} machine: a backend's library, GPU compute "
             "capability and jax version are this machine's; see each refusal)"
         )
-    return "\n".join([*lines, ContiguousExperts().plan(problem).describe()])
+    lines.append(ContiguousExperts().plan(problem).describe())
+    if is_fp8:
+        lines.append("under jax.grad (FP8 weights held constant, bf16 tokens):")
+        frozen = dataclasses.replace(problem, x_dtype="bfloat16")
+        lines.append(ContiguousExperts().plan(frozen).describe())
+    return "\n".join(lines)
 
 
 def run_info(args: argparse.Namespace) -> int:
