@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time a training step (forward + backward) against torchtitan's torch step instead",
     )
+    bench.add_argument(
+        "--model",
+        action="store_true",
+        help="time training steps of a whole Qwen3-MoE model against jax.lax.ragged_dot and "
+        "transformers instead (--shapes: qwen3-2b on GPU, else tiny)",
+    )
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument(
         "--plot", help="also write a PNG bar chart of the times (needs matplotlib: .[notebooks])"
@@ -99,6 +105,18 @@ def _bench(args: argparse.Namespace) -> int:
         return _refuse(f"--iters {args.iters}: at least 1 timed call per variant is needed")
     if (problem := _output_problem(args)) is not None:
         return _refuse(problem)
+    if args.model:
+        if args.decode or args.train or args.tokens is not None:
+            return _refuse("--model is its own benchmark: drop --decode, --train and --tokens")
+        from moe_jax.cli.model_bench import run_model_bench
+
+        return run_model_bench(
+            shapes=args.shapes,
+            variants=args.variants,
+            iters=args.iters,
+            json_path=args.json,
+            plot_path=args.plot,
+        )
     if args.train:
         if args.tokens is not None:
             return _refuse("--tokens applies to bench --decode only")

@@ -1,12 +1,14 @@
 """moe_jax.models.qwen3_moe against transformers' Qwen3MoeForCausalLM (CPU, tiny random models).
 
 transformers builds each model with seeded random weights and writes it with `save_pretrained`
-(safetensors, per-expert names); `from_pretrained` reads it back. References: transformers'
-logits and losses (float32), its float64 backward for the gradients, and the same model trained
-in float32 for the bf16 and FP8-recipe steps.
+(safetensors, per-expert names); `from_pretrained` reads it back. The reference is transformers'
+model in float64 (logits, losses, and its backward for every param's gradient); bf16 and FP8
+loading against its float32 logits; training steps must lower the loss.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +96,27 @@ def assert_logits_close(ours, ref, mask, rtol):
 
 
 @nnx.jit
-def forward_and_loss(model, ids, mask):
-    return model(ids, mask, output_router_logits=True), model_loss(model, ids, mask)
+def outputs_and_grads(model, ids, mask):
+    grads = nnx.grad(lambda m: model_loss(m, ids, mask)[0])(model)
+    return model(ids, mask, output_router_logits=True), model_loss(model, ids, mask), grads
+
+
+def transformers_name(path) -> tuple[str, bool]:
+    """(transformers 5's name of our param at `path`, whether its matrix is transposed)."""
+    *module, leaf = map(str, path)
+    if leaf in ("router_kernel", "w1", "w2"):
+        experts = {"router_kernel": "gate.weight", "w1": "experts.gate_up_proj",
+                   "w2": "experts.down_proj"}  # fmt: skip
+        return ".".join(["model", *module, experts[leaf]]), leaf == "router_kernel"
+    name = ".".join([*module, "weight"])
+    return (name if module[0] == "lm_head" else f"model.{name}"), leaf == "kernel"
 
 
 @pytest.mark.parametrize("name", ["dense_and_moe", "tied_padded"])
-def test_logits_and_losses_match_transformers(checkpoints, name):
+def test_logits_losses_and_gradients_match_transformers(checkpoints, name):
+    """Against transformers' model in float64 (eager attention and experts): logits, router
+    logits, aux loss and loss of the float32 model loaded from the checkpoint, and the gradient
+    of the loss for every param (the backward of float64 torch)."""
     path, hf_model = checkpoints[name]
     model = Qwen3MoeForCausalLM.from_pretrained(path / "config.json")
     cfg = model.config
@@ -108,16 +125,27 @@ def test_logits_and_losses_match_transformers(checkpoints, name):
         for i in range(cfg.num_hidden_layers)
     ]
     assert (model.lm_head is None) == cfg.tie_word_embeddings
+    ref_model = transformers.Qwen3MoeForCausalLM(hf_model.config).double()
+    ref_model.load_state_dict(hf_model.state_dict())
+    ref_model.set_attn_implementation("eager")
+    ref_model.set_experts_implementation("eager")  # torch's grouped_mm has no float64
     ids, mask = batch(name)
-    with torch.no_grad():
-        ref = hf_outputs(hf_model, ids, mask)
-    (logits, router_logits), (loss, metrics) = forward_and_loss(model, ids, mask)
-    assert_logits_close(logits, ref.logits.double().numpy(), mask, LOGITS_RTOL)
-    ref_router = np.stack([r.double().numpy() for r in ref.router_logits])
+    ref = hf_outputs(ref_model, ids, mask)
+    ref.loss.backward()
+    (logits, router_logits), (loss, metrics), grads = outputs_and_grads(model, ids, mask)
+    assert_logits_close(logits, ref.logits.detach().numpy(), mask, LOGITS_RTOL)
+    ref_router = np.stack([r.detach().numpy() for r in ref.router_logits])
     np.testing.assert_allclose(router_logits, ref_router, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(metrics["aux_loss"], ref.aux_loss.item(), rtol=1e-5)
     np.testing.assert_allclose(loss, ref.loss.item(), rtol=1e-5)
     assert metrics["expert_load"].sum() == len(cfg.moe_layers) * B * S * cfg.num_experts_per_tok
+    ref_grads = {n: p.grad.numpy() for n, p in ref_model.named_parameters()}
+    for path, grad in nnx.to_flat_state(grads):
+        theirs, transposed = transformers_name(path)
+        want = ref_grads.pop(theirs).T if transposed else ref_grads.pop(theirs)
+        err = np.linalg.norm(np.asarray(grad[...], np.float64) - want) / np.linalg.norm(want)
+        assert err <= GRAD_RTOL, f"{'.'.join(map(str, path))} vs {theirs}: {err:.2e}"
+    assert not ref_grads, f"params without a gradient check: {sorted(ref_grads)}"
 
 
 @pytest.mark.parametrize("precision", list(LOW_PRECISION_RTOL))
@@ -151,37 +179,6 @@ def test_config_from_transformers_4_dict_and_refusals():
         Qwen3MoeConfig.from_config_dict(v4 | dict(model_type="mixtral"))
 
 
-def test_gradient_matches_transformers_float64_backward(checkpoints):
-    path, hf_model = checkpoints["dense_and_moe"]
-    model = Qwen3MoeForCausalLM.from_pretrained(path, experts="xla")
-    ids, _ = batch("dense_and_moe")
-    grads = nnx.jit(nnx.grad(lambda m: model_loss(m, ids)[0]))(model)
-    ref_model = transformers.Qwen3MoeForCausalLM(hf_model.config).double()
-    ref_model.load_state_dict(hf_model.state_dict())
-    ref_model.set_attn_implementation("eager")
-    ref_model.set_experts_implementation("eager")  # torch's grouped_mm has no float64
-    hf_outputs(ref_model, ids, None).loss.backward()
-    ref = {name: p.grad.numpy() for name, p in ref_model.named_parameters()}
-    pairs = {  # ours (path in grads) -> transformers' (name, transposed)
-        ("embed_tokens", "embedding"): ("model.embed_tokens.weight", False),
-        ("lm_head", "kernel"): ("lm_head.weight", True),
-        ("layers", 0, "mlp", "down_proj", "kernel"): ("model.layers.0.mlp.down_proj.weight", True),
-        ("layers", 1, "self_attn", "q_norm", "weight"): ("model.layers.1.self_attn.q_norm.weight",
-                                                          False),
-        ("layers", 3, "self_attn", "k_proj", "kernel"): ("model.layers.3.self_attn.k_proj.weight",
-                                                          True),
-        ("layers", 1, "mlp", "router_kernel"): ("model.layers.1.mlp.gate.weight", True),
-        ("layers", 1, "mlp", "w1"): ("model.layers.1.mlp.experts.gate_up_proj", False),
-        ("layers", 3, "mlp", "w2"): ("model.layers.3.mlp.experts.down_proj", False),
-    }  # fmt: skip
-    flat = dict(nnx.to_flat_state(grads))
-    for ours, (theirs, transposed) in pairs.items():
-        got = np.asarray(flat[ours][...], np.float64)
-        want = ref[theirs].T if transposed else ref[theirs]
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert err <= GRAD_RTOL, f"{'.'.join(map(str, ours))} vs {theirs}: {err:.2e}"
-
-
 TRAIN = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
              num_experts_per_tok=2, router_aux_loss_coef=0.01)  # fmt: skip
@@ -203,3 +200,34 @@ def test_training_lowers_the_loss(recipe):
     assert model.layers[0].mlp.w1.dtype == jnp.bfloat16
     if recipe == "fp8_recipe":  # the experts' GEMMs ran on float8 operands
         assert "f8_e4m3fn" in str(jax.make_jaxpr(lambda: model_loss(model, ids)[0])())
+
+
+def test_model_bench_at_the_tiny_preset(tmp_path, capsys):
+    """`bench --model` on the CPU: every row trains the tiny preset from transformers' weights
+    with the same first-step loss; its FLOP count is 6 x tokens x the active matmul params
+    (routed experts counted k/E) plus causal attention's 6 B S^2 N D per layer."""
+    from moe_jax.__main__ import main
+    from moe_jax.cli.model_bench import DEFAULT_VARIANTS, PRESETS, step_flops
+
+    path = tmp_path / "model.json"
+    argv = ["bench", "--model", "--shapes", "tiny", "--iters", "1", "--json", str(path)]
+    assert main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert sorted(rows) == sorted(DEFAULT_VARIANTS) and all("step ms" in r for r in rows.values())
+    assert all(r["loss error"] <= 1e-4 and r["moe ms"] > 0 for r in rows.values())
+    assert "experts_implementation='grouped_mm'" in capsys.readouterr().out
+
+    preset = PRESETS["tiny"]
+    cfg = Qwen3MoeConfig.from_config_dict(preset.config)
+    model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    active = sum(
+        v.size * (share if path[-1] in ("w1", "w2") else 1)
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if path[-1] not in ("embedding", "weight")  # lookups and norms: no matmul
+    )
+    b, s, layers = preset.batch, preset.seq, cfg.num_hidden_layers
+    attention = 6 * b * s * s * cfg.num_attention_heads * cfg.head_dim * layers
+    assert step_flops(cfg, b, s) == pytest.approx(6 * b * s * active + attention)
+    if jax.default_backend() != "gpu":
+        assert main(["bench", "--model", "--shapes", "qwen3-2b"]) == 2
