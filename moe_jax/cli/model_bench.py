@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ BASELINE = "transformers"
 TORCH_EXPERTS = ("sonicmoe", "grouped_mm")
 LOSS_RTOL = {"bfloat16": 2e-2, "float32": 1e-4}  # first-step loss vs transformers', relative
 LEARNING_RATE = 3e-4
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"  # JAX takes 75% of the GPU up front unless "false"
 # Dense bf16 tensor-core peak by device name (first match; NVIDIA's datasheets).
 BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0))
 
@@ -142,7 +144,7 @@ def _torch_model(preset: Preset, ids, device: str):
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=getattr(torch, preset.dtype), attn_implementation="sdpa"
-        )
+        ).to(device)
     refused = {}
     for name in TORCH_EXPERTS:
         try:
@@ -372,6 +374,11 @@ def run_model_bench(
         problems.append(
             f"preset {names[0]!r} needs a GPU (JAX runs on {jax.default_backend()}); "
             "'tiny' runs here"
+        )
+    if on_gpu and BASELINE in variants and os.environ.get(PREALLOCATE) != "false":
+        problems.append(
+            f"torch shares the GPU with JAX here: run with {PREALLOCATE}=false (or leave "
+            f"{BASELINE} out of --variants)"
         )
     try:
         import optax  # noqa: F401
