@@ -544,6 +544,31 @@ def fused_moe_jnp(x, w1, w2, topk_weights, local_ids, *, weight_on_input=False):
     return jnp.sum(jnp.where(is_valid[..., None], weights[..., None] * y, 0.0), axis=1)
 
 
+def fused_moe_grads(x, w1, w2, topk_weights, probe, local_ids, *, weight_on_input=False):
+    """float64 d<fused_moe_jnp(...), probe> / d(x, w1, w2, topk_weights), by `jax.grad` under
+    `jax.enable_x64` (the gradient tests' reference)."""
+    import jax
+
+    with jax.enable_x64(True):
+
+        def loss(x, w1, w2, topk_weights):
+            out = fused_moe_jnp(x, w1, w2, topk_weights, local_ids, weight_on_input=weight_on_input)
+            return jnp.sum(out * probe)
+
+        args = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, w1, w2, topk_weights))
+        return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2, 3))(*args)]
+
+
+def assert_grads_close(grads, wants, tol: float) -> None:
+    """Each of the (x, w1, w2, topk_weights) gradients finite and within relative Frobenius
+    error `tol` of the float64 one."""
+    for name, got, want in zip(("x", "w1", "w2", "topk_weights"), grads, wants, strict=True):
+        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+        assert np.all(np.isfinite(got)), name
+        error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert error <= tol, f"d{name}: relative error {error:.2e} > {tol}"
+
+
 # --- expert parallelism ----------------------------------------------------------------------
 
 

@@ -628,22 +628,6 @@ def _fp8_layer(seed: int):
     return (x, w1, w2, weights, ids), dict(w1_scale=s1, w2_scale=s2)
 
 
-@pytest.mark.parametrize(
-    "gemm", ["mosaic_fp8_interpret", pytest.param("deep_gemm", marks=pytest.mark.gpu)]
-)
-def test_fused_moe_with_the_fused_first_gemm(gemm):
-    """The layer with GEMM1 + act + quantization fused (`ContiguousExperts(fused_act_quant=)`,
-    also by name "<gemm>+<fused>"), against the same layer unfused, within one FP8 step of the
-    requantization (DeepGEMM's GEMM2 on the GPU; in interpret mode bit for bit on jax 0.10.2's
-    CPU backend, not on 0.11.2's: see the kernel test above)."""
-    fused = "mosaic_fp8_interpret" if gemm.endswith("interpret") else "mosaic_fp8"
-    args, scales = _fp8_layer(oracles.seed("fused_first_gemm", gemm))
-    got = fused_moe(*args, experts=f"{gemm}+{fused}", **scales)
-    want = fused_moe(*args, experts=ContiguousExperts(gemm=gemm), **scales)
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
-
-
 def test_fused_first_gemm_by_object_takes_its_config():
     """`ContiguousExperts(fused_act_quant=MosaicFp8FusedGemm1(config))`: the fused GEMM1 with the
     tiles (here chained pairs of row blocks on 128-row segments) in the layer, within one FP8

@@ -1,7 +1,8 @@
 """The contiguous layout's routing metadata (`moe_jax.permute.routing_metadata`, each
 `ROUTING_METADATA` implementation; the Pallas one in one kernel, `moe_jax.kernels.routing_metadata`,
 also at non-default configs) against the NumPy loops of `oracles.routing_metadata`, which the XLA
-reference `moe_jax.layouts.routing_metadata` equals too, so all are bit for bit the same.
+reference `moe_jax.layouts.routing_metadata` equals too, so all are bit for bit the same (its rank
+methods on both sides of `expert_rank.PAIRWISE_MAX_PAIRS`: tests/test_layouts.py).
 
 Integer sums; the kernel's only atomics are its ticket and "done" counters. Interpret mode runs
 the programs one after another in ticket order, so no program waits and the arithmetic is the
@@ -21,7 +22,7 @@ import oracles
 import pytest
 from contract import impl_params, runs_or_skip
 
-from moe_jax import expert_rank, layouts
+from moe_jax import layouts
 from moe_jax import permute as permute_front
 from moe_jax.kernels import routing_metadata as kernel
 from moe_jax.kernels.routing_metadata import RoutingMetadataConfig, heuristic_config
@@ -140,20 +141,6 @@ def test_routing_metadata_matches_oracle(impl, problem):
         local, problem.num_experts, alignment=problem.alignment, num_rows=problem.num_rows
     )
     _assert_equal(got, want, problem)
-
-
-@pytest.mark.parametrize("num_tokens", [512, 513])
-def test_reference_equals_the_oracle_on_both_sides_of_the_pairwise_bound(num_tokens):
-    """The XLA reference ranks up to `expert_rank.PAIRWISE_MAX_PAIRS` pairs by pairwise
-    comparison and beyond in blocks (8 slots: 4096 pairs and 4104): both give the oracle's
-    metadata, invalid ids and duplicates included."""
-    assert expert_rank.PAIRWISE_MAX_PAIRS == 4096
-    problem = Problem(f"bound_{num_tokens}", num_tokens, 8, 24, alignment=16)
-    local = _local_ids(problem)
-    want = oracles.routing_metadata(
-        local, problem.num_experts, alignment=problem.alignment, num_rows=problem.num_rows
-    )
-    _assert_equal(_run("reference", jnp.asarray(local, jnp.int32), problem), want, problem)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
