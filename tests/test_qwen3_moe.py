@@ -20,9 +20,13 @@ torch = pytest.importorskip("torch", reason="transformers' model runs in torch")
 nnx = pytest.importorskip("flax.nnx", reason="the model is Flax NNX (extra 'flax')")
 optax = pytest.importorskip("optax", reason="training uses optax")
 
+import oracles  # noqa: E402
+import safetensors.numpy  # noqa: E402
+
 from moe_jax import quant  # noqa: E402
 from moe_jax.contiguous_experts import ContiguousExperts  # noqa: E402
 from moe_jax.fp8_training import Fp8Training  # noqa: E402
+from moe_jax.hf_checkpoint import read_hf_config  # noqa: E402
 from moe_jax.models.qwen3_moe import (  # noqa: E402
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
@@ -161,6 +165,35 @@ def test_bf16_params_and_fp8_experts_load(checkpoints, precision):
     with torch.no_grad():
         ref = hf_model(torch.from_numpy(ids).long()).logits.double().numpy()
     assert_logits_close(nnx.jit(model)(ids), ref, None, LOW_PRECISION_RTOL[precision])
+
+
+def test_fp8_checkpoint_loads(checkpoints, tmp_path):
+    """A checkpoint with every projection (attention, dense MLP, experts) in float8_e4m3fn and
+    a float32 128x128 `weight_scale_inv`, as DeepSeek's and Qwen's FP8 checkpoints (quantized
+    by the numpy oracle). Reference: transformers on the dequantized weights. A float model
+    dequantizes it all (float32 tolerance); FP8 experts keep its weights and scales (the FP8
+    tolerance: their activations are quantized too)."""
+    path, _ = checkpoints["wide"]
+    fp8, dequantized = {}, {}
+    for name, w in safetensors.numpy.load_file(path / "model.safetensors").items():
+        fp8[name] = dequantized[name] = w
+        if name.endswith("_proj.weight"):
+            fp8[name], fp8[f"{name}_scale_inv"] = q, scale = oracles.per_block_quant_fp8(w)
+            dequantized[name] = oracles.dequant_per_block(q, scale).astype(np.float32)
+    safetensors.numpy.save_file(dequantized, tmp_path / "model.safetensors")
+    config = read_hf_config(path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids, _ = batch("wide")
+    with torch.no_grad():
+        hf_model = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path).eval()
+        ref = hf_model(torch.from_numpy(ids).long()).logits.double().numpy()
+    model = Qwen3MoeForCausalLM.from_state_dict(fp8, config)
+    assert model.layers[1].mlp.w1.dtype == model.layers[0].mlp.up_proj.kernel.dtype == jnp.float32
+    assert_logits_close(nnx.jit(model)(ids), ref, None, LOGITS_RTOL)
+    model = Qwen3MoeForCausalLM.from_state_dict(fp8, config, quant_config=quant.Fp8BlockQuant())
+    scale = fp8["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"]
+    np.testing.assert_array_equal(model.layers[1].mlp.w2_scale[3], scale)
+    assert_logits_close(nnx.jit(model)(ids), ref, None, LOW_PRECISION_RTOL["fp8"])
 
 
 def test_config_from_transformers_4_dict_and_refusals():
