@@ -215,9 +215,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
       config: a `Qwen3MoeConfig`.
       dtype: compute dtype (None: inferred from the params, as nnx.Linear does).
       param_dtype: dtype of every float param (float32 default; bf16 for bf16 training).
-      experts: the `MoE` layers' backend: "auto", "xla" (`jax.lax.ragged_dot`), ... or an
-        `Experts` object, e.g. `ContiguousExperts(recipe=Fp8Training())` to train the experts
-        in FP8 (H and moe_intermediate_size multiples of 128).
+      experts: the `MoE` layers' backend, a name of `moe_jax.experts_names()` ("auto", "xla",
+        ...) or an `Experts` object, e.g. `ContiguousExperts(recipe=Fp8Training())` to train
+        the experts in FP8 (H and moe_intermediate_size multiples of 128).
       quant_config: `quant.Fp8BlockQuant()` holds the expert weights in FP8 (inference, or
         training around frozen experts); None keeps them in param_dtype.
       attention_impl: `jax.nn.dot_product_attention`'s implementation (None: XLA).
