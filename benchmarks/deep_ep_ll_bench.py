@@ -307,13 +307,6 @@ def time_graph_round_trips(args, problem, buffer, torch) -> dict:
             short, long = steady_streamed(fn, wait, args.samples, n)
             results.setdefault(f"{name}_streamed_us", []).append(short)
             results.setdefault(f"{name}_steady_us", []).append(long)
-    if args.profile:
-        results["moe_jax_graph_kernels"] = kernel_profile(
-            lambda: ours(x, y, tw, ids), jax.block_until_ready, n
-        )
-        results["direct_kernels"] = kernel_profile(
-            direct_chain, lambda _: torch.cuda.synchronize(), n
-        )
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -341,57 +334,6 @@ def steady_streamed(fn, wait, samples: int, round_trips: int) -> tuple[float, fl
         shorts.append(t_short * 1e3 / (short_calls * round_trips))
         steadies.append((t_long - t_short) * 1e3 / ((long_calls - short_calls) * round_trips))
     return statistics.median(shorts), statistics.median(steadies)
-
-
-def kernel_profile(call, wait, round_trips: int, calls: int = 3) -> dict:
-    """Device time per round trip by kernel (us), and where the device idles, from a
-    `jax.profiler` trace of `calls` waited calls of `round_trips` round trips each (kernels
-    inside CUDA graphs are listed one by one). Each call runs the same kernels, so the timeline
-    splits into calls by count (`kernel_gaps.split_forwards`); "span_us", "busy_us" and
-    "idle_us" are `kernel_gaps.summarize`'s per call, and "idle" sums its gaps by the pair of
-    kernels around them.
-    """
-    import glob
-    import tempfile
-
-    from benchmarks import kernel_gaps
-
-    wait(call())
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                wait(call())
-        path = max(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-        events, _ = kernel_gaps.device_kernels(path)
-    per_call = kernel_gaps.split_forwards(events, max(1, len(events) // calls))
-    summaries = [kernel_gaps.summarize(one, top=len(one)) for one in per_call]
-    idle: dict[str, float] = {}
-    for summary in summaries:
-        for gap in summary.largest:
-            pair = f"{_short(gap.before)} -> {_short(gap.after)}"
-            idle[pair] = idle.get(pair, 0.0) + gap.ns / len(summaries)
-    scale = 1e-3 / round_trips  # ns per call -> us per round trip
-
-    def mean(field: str) -> float:
-        return statistics.mean(getattr(summary, field) for summary in summaries) * scale
-
-    ranked_idle = sorted(idle.items(), key=lambda item: -item[1])[:6]
-    return {
-        "busy_us": mean("busy_ns"),
-        "span_us": mean("span_ns"),
-        "idle_us": mean("idle_ns"),
-        "kernels_per_round_trip": len(events) / (calls * round_trips),
-        "top": {
-            _short(t.name): round(t.ns * scale, 2) for t in kernel_gaps.kernel_times(per_call)[:8]
-        },
-        "idle": {pair: round(ns * scale, 2) for pair, ns in ranked_idle},
-    }
-
-
-def _short(name: str) -> str:
-    from benchmarks import kernel_gaps
-
-    return kernel_gaps.short_name(name, template_args=1)[:48]
 
 
 def time_graph_layer(args, problem, buffer) -> dict:
@@ -479,11 +421,6 @@ def main() -> int:
     parser.add_argument(
         "--skip-eager-timing", action="store_true", help="checks, and graph timings with --graph"
     )
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="with --graph: device time and idle gaps by kernel of both chains (no layer timing)",
-    )
     parser.add_argument("--hang-timeout-s", type=float, default=240)
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.hang_timeout_s, exit=True)  # a hung collective
@@ -540,15 +477,12 @@ def main() -> int:
                     ),
                 )
             )
-            if not args.profile:
-                steps.append(
-                    (
-                        "graph_layer",
-                        lambda: report(
-                            timing="graph_layer", **time_graph_layer(args, problem, buffer)
-                        ),
-                    )
+            steps.append(
+                (
+                    "graph_layer",
+                    lambda: report(timing="graph_layer", **time_graph_layer(args, problem, buffer)),
                 )
+            )
         for name, step in steps:
             try:
                 step()

@@ -9,8 +9,8 @@ ran (busy), the idle rest (gaps), the largest gaps with the kernels on either si
 kernel's device time (median over the forwards). The traced calls are `bench`'s own timing
 loop (`moe_jax.cli.timing`: host clock around bursts of back-to-back calls), so the bench's
 figure and the device's span of the same calls sit side by side, burst by burst too. It also
-prints how much the GEMMs slowed from the first forwards to the last, and the GPU's clock over
-the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU clocks down as it runs):
+prints the GPU's clock over the traced calls (`moe_jax.cli.gpu_clocks`: at its power cap the GPU
+clocks down as it runs):
 
     python -m benchmarks.kernel_gaps --shape A --samples 5 [--json gaps.json]
     python -m benchmarks.kernel_gaps --decode-tokens 1 --plot stages.png
@@ -184,31 +184,6 @@ def stage_times(times: Sequence[KernelTime]) -> dict[str, float]:
     for row in times:
         totals[stage_of(row.name)] += row.ns
     return totals
-
-
-DRIFT_FORWARDS = 5  # forwards averaged at each end of the timeline by `stage_drift`
-
-
-def stage_drift(
-    forwards: Sequence[Sequence[KernelEvent]], stage: str, *, count: int = DRIFT_FORWARDS
-) -> tuple[float, float] | None:
-    """(mean ns per forward of `stage` over the first `count` forwards, the same over the last
-    `count`), or None with fewer than 2 * count forwards: how much the stage slowed (or sped up)
-    while the timeline ran.
-
-    >>> f = [[KernelEvent("gemm", 0, 10.0 + i)] for i in range(4)]
-    >>> stage_drift(f, "GEMMs", count=2)
-    (10.5, 12.5)
-    """
-    if len(forwards) < 2 * count:
-        return None
-
-    def mean(group):
-        return statistics.fmean(
-            sum(e.duration_ns for e in forward if stage_of(e.name) == stage) for forward in group
-        )
-
-    return mean(forwards[:count]), mean(forwards[-count:])
 
 
 def plot_stages(label: str, stages: dict[str, float], host_us: float, path: str) -> None:
@@ -555,14 +530,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {_us(sum(r.ns for r in rest)):>10}          {len(rest)} other kernels")
     stages = stage_times(times)
     print("by stage: " + ", ".join(f"{name} {_us(ns)}" for name, ns in stages.items()))
-    drift = stage_drift(forwards, "GEMMs")
-    if drift is not None and drift[0] > 0:
-        first, last = drift
-        print(
-            f"GEMMs per forward, first {DRIFT_FORWARDS} forwards {_us(first)}, last "
-            f"{DRIFT_FORWARDS} {_us(last)} ({last / first - 1:+.1%}: a GPU that slows down as "
-            "it runs, e.g. at its power cap, times slower the longer it is timed)"
-        )
     if clocks is not None:
         print(f"GPU during the traced calls: {clocks.line()}")
     if args.plot:
@@ -580,7 +547,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     source=where,
                     forwards=[dataclasses.asdict(s) for s in summaries],
                     whole=dataclasses.asdict(whole),
-                    gemm_drift_ns=drift,
                     clocks=None if clocks is None else dataclasses.asdict(clocks),
                 ),
                 f,
