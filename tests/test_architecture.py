@@ -69,6 +69,7 @@ LAYERS = {
             "hf_checkpoint",
             "hf_weights",
             "hf_loading",
+            "models.*",
             # DeepEP adapters are PrepareFinalize implementations (they import prepare_finalize,
             # experts and masked_experts); they live in interop/ because they call torch-hosted
             # DeepEP.

@@ -15,6 +15,7 @@ import pytest
 _OPTIONAL = (
     ("moe_jax.flax_layer", "flax", "flax"),
     ("moe_jax.hf", "flax", "flax"),
+    ("moe_jax.models", "flax", "flax"),
 )
 
 

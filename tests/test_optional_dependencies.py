@@ -19,7 +19,16 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-OPTIONAL = ("flax", "optax", "torch", "transformers", "safetensors", "deep_gemm", "deep_ep")
+OPTIONAL = (
+    "flax",
+    "optax",
+    "torch",
+    "transformers",
+    "safetensors",
+    "deep_gemm",
+    "deep_ep",
+    "tokamax",
+)
 
 
 def _run_without_optional(code: str) -> subprocess.CompletedProcess:
@@ -70,7 +79,12 @@ def test_library_imports_and_runs_without_optional_dependencies():
 
 @pytest.mark.parametrize(
     "module,extra",
-    [("moe_jax.flax_layer", "flax"), ("moe_jax.hf_config", "flax"), ("moe_jax.hf_loading", "hf")],
+    [
+        ("moe_jax.flax_layer", "flax"),
+        ("moe_jax.hf_config", "flax"),
+        ("moe_jax.hf_loading", "hf"),
+        ("moe_jax.models.qwen3_moe", "flax"),
+    ],
 )
 def test_flax_modules_without_flax_name_the_extra(module, extra):
     proc = _run_without_optional(

@@ -27,7 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+try:
+    from flax import nnx
+except ImportError as error:  # flax is an optional extra
+    raise ImportError(f"moe_jax.models needs Flax: pip install 'moe_jax[flax]' ({error})") from None
 
 from moe_jax import quant
 from moe_jax.experts import Experts
