@@ -400,99 +400,70 @@ def _call(args: dict, **kwargs):
     )
 
 
+# (id, change to the good inputs, error, message); an unknown experts name's list of valid
+# names: the test below
 BAD_INPUTS = [
-    pytest.param(
-        dict(hidden_states=jnp.ones((3, 32, 1))), ValueError, r"hidden_states\.shape", id="x_3d"
-    ),
-    pytest.param(
-        dict(hidden_states=jnp.ones((3, 32), jnp.int32)),
-        TypeError,
-        r"hidden_states\.dtype",
-        id="x_int",
-    ),
-    pytest.param(
+    ("x_3d", dict(hidden_states=jnp.ones((3, 32, 1))), ValueError, r"hidden_states\.shape"),
+    ("x_int", dict(hidden_states=jnp.ones((3, 32), jnp.int32)), TypeError, r"hidden_states\.dtype"),
+    (
+        "x_width",
         dict(hidden_states=jnp.ones((3, 64))),
         ValueError,
         r"hidden_states\.shape=\(3, 64\) but the weights have H=32",
-        id="x_width",
     ),
-    pytest.param(
-        dict(w1=jnp.ones((4, 16, 32))), ValueError, r"w1\.shape=\(4, 16, 32\)", id="w1_e_i_h"
-    ),
-    pytest.param(
-        dict(w1_scale=jnp.ones((4, 1, 1))), ValueError, r"w1_scale was given", id="float_scales"
-    ),
-    pytest.param(
+    ("w1_e_i_h", dict(w1=jnp.ones((4, 16, 32))), ValueError, r"w1\.shape=\(4, 16, 32\)"),
+    ("float_scales", dict(w1_scale=jnp.ones((4, 1, 1))), ValueError, r"w1_scale was given"),
+    (
+        "map_short",
         dict(expert_map=jnp.zeros((2,), jnp.int32)),
         ValueError,
         r"expert_map\.shape=\(2,\) maps fewer",
-        id="map_short",
     ),
-    pytest.param(dict(chunk_size=4.5), ValueError, r"chunk_size=4\.5", id="chunk_float"),
-    pytest.param(dict(chunk_size=0), ValueError, r"chunk_size=0", id="chunk_zero"),
-    pytest.param(
+    ("chunk_float", dict(chunk_size=4.5), ValueError, r"chunk_size=4\.5"),
+    ("chunk_zero", dict(chunk_size=0), ValueError, r"chunk_size=0"),
+    (
+        "w2_inter",
         dict(w2=jnp.ones((4, 32, 8))),
         ValueError,
         r"w2\.shape=\(4, 32, 8\) but \[E, H, I\] = \(4, 32, 16\)",
-        id="w2_inter",
     ),
-    pytest.param(dict(w2=jnp.ones((3, 32, 16))), ValueError, r"w2\.shape", id="w2_experts"),
-    pytest.param(dict(w1=jnp.ones((4, 31, 32))), ValueError, r"w1\.shape", id="w1_odd_2i"),
-    pytest.param(
-        dict(w2=jnp.ones((4, 32, 16), jnp.bfloat16)), TypeError, r"w1\.dtype", id="w_dtypes_differ"
-    ),
-    pytest.param(
-        dict(topk_ids=jnp.zeros((4, 2), jnp.int32)), ValueError, r"topk_ids\.shape", id="ids_rows"
-    ),
-    pytest.param(
-        dict(topk_ids=jnp.zeros((3, 2), jnp.float32)), TypeError, r"topk_ids\.dtype", id="ids_float"
-    ),
-    pytest.param(
-        dict(topk_weights=jnp.ones((3, 3))), ValueError, r"topk_weights\.shape", id="weights_shape"
-    ),
-    pytest.param(
+    ("w2_experts", dict(w2=jnp.ones((3, 32, 16))), ValueError, r"w2\.shape"),
+    ("w1_odd_2i", dict(w1=jnp.ones((4, 31, 32))), ValueError, r"w1\.shape"),
+    ("w_dtypes_differ", dict(w2=jnp.ones((4, 32, 16), jnp.bfloat16)), TypeError, r"w1\.dtype"),
+    ("ids_rows", dict(topk_ids=jnp.zeros((4, 2), jnp.int32)), ValueError, r"topk_ids\.shape"),
+    ("ids_float", dict(topk_ids=jnp.zeros((3, 2), jnp.float32)), TypeError, r"topk_ids\.dtype"),
+    ("weights_shape", dict(topk_weights=jnp.ones((3, 3))), ValueError, r"topk_weights\.shape"),
+    (
+        "weights_int",
         dict(topk_weights=jnp.ones((3, 2), jnp.int32)),
         TypeError,
         r"topk_weights\.dtype",
-        id="weights_int",
     ),
-    pytest.param(
+    (
+        "on_input_k2",
         dict(apply_router_weight_on_input=True),
         ValueError,
         r"apply_router_weight_on_input",
-        id="on_input_k2",
     ),
-    pytest.param(
+    (
+        "map_vs_global",
         dict(expert_map=jnp.zeros((6,), jnp.int32), global_num_experts=8),
         ValueError,
         r"global_num_experts",
-        id="map_vs_global",
     ),
-    pytest.param(
-        dict(global_num_experts=1), ValueError, r"global_num_experts=1", id="global_without_map"
-    ),
-    pytest.param(
-        dict(global_num_experts=4.0), TypeError, r"global_num_experts=4.0", id="global_float"
-    ),
-    pytest.param(
-        dict(expert_map=jnp.zeros((6,), jnp.float32)), ValueError, r"expert_map", id="map_float"
-    ),
-    pytest.param(
-        dict(activation="relu"),
-        ValueError,
-        r"unknown activation 'relu'.*gelu.*silu",
-        id="activation",
-    ),
-    pytest.param(
-        dict(experts="cutlass"),
-        ValueError,
-        r"unknown experts 'cutlass'",  # the list of valid names: the test below
-        id="experts_name",
-    ),
+    ("global_without_map", dict(global_num_experts=1), ValueError, r"global_num_experts=1"),
+    ("global_float", dict(global_num_experts=4.0), TypeError, r"global_num_experts=4.0"),
+    ("map_float", dict(expert_map=jnp.zeros((6,), jnp.float32)), ValueError, r"expert_map"),
+    ("activation", dict(activation="relu"), ValueError, r"unknown activation 'relu'.*gelu.*silu"),
+    ("experts_name", dict(experts="cutlass"), ValueError, r"unknown experts 'cutlass'"),
 ]
 
 
-@pytest.mark.parametrize("change,error,match", BAD_INPUTS)
+def _params(cases) -> list:
+    return [pytest.param(*case[1:], id=case[0]) for case in cases]
+
+
+@pytest.mark.parametrize(("change", "error", "match"), _params(BAD_INPUTS))
 def test_bad_input_raises_naming_the_argument(change, error, match):
     with pytest.raises(error, match=match):
         _call(_good(), **change)
@@ -513,8 +484,8 @@ def test_an_unknown_experts_name_offers_the_closest_and_the_base_names():
 
 
 @pytest.mark.parametrize(
-    "change,error,match",
-    [p for p in BAD_INPUTS if set(p.values[0]) <= set(inspect.signature(moe_reference).parameters)],
+    ("change", "error", "match"),
+    _params(p for p in BAD_INPUTS if set(p[1]) <= set(inspect.signature(moe_reference).parameters)),
 )
 def test_the_reference_checks_its_inputs_as_fused_moe_does(change, error, match):
     """`moe_reference` takes `fused_moe`'s arguments and refuses the same bad ones (before, a
@@ -649,36 +620,32 @@ def test_block_shape_128_is_accepted_as_vllm_passes_it():
 
 
 @pytest.mark.parametrize(
-    "dtype,change,match",
-    [
-        pytest.param(
-            "fp8",
-            dict(block_shape=[64, 64]),
-            r"block_shape=\[64, 64\]: only \[128, 128\]",
-            id="64x64",
-        ),
-        pytest.param("fp8", dict(block_shape=128), r"block_shape=128: only \[128, 128\]", id="int"),
-        pytest.param("fp8", dict(block_shape=[128, 128, 1]), r"only \[128, 128\]", id="three"),
-        pytest.param(
-            "float32",
-            dict(block_shape=[128, 128]),
-            r"block_shape=\[128, 128\] describes FP8 .* w1\.dtype=float32",
-            id="float_weights",
-        ),
-        pytest.param(
-            "fp8",
-            dict(block_shape=[128, 128], w1_scale=None),
-            r"w1_scale is None",
-            id="no_scales",
-        ),
-        pytest.param(
-            "fp8",
-            # scales made for 64x64 tiles
-            dict(block_shape=(128, 128), w2_scale=jnp.ones((4, 2, 2), jnp.float32)),
-            r"w2_scale is float32\[4, 2, 2\] but float32\[4, 1, 1\] .*one scale per 128x128",
-            id="scales_of_another_tile",
-        ),
-    ],
+    ("dtype", "change", "match"),
+    _params(
+        [
+            (
+                "64x64",
+                "fp8",
+                dict(block_shape=[64, 64]),
+                r"block_shape=\[64, 64\]: only \[128, 128\]",
+            ),
+            ("int", "fp8", dict(block_shape=128), r"block_shape=128: only \[128, 128\]"),
+            ("three", "fp8", dict(block_shape=[128, 128, 1]), r"only \[128, 128\]"),
+            (
+                "float_weights",
+                "float32",
+                dict(block_shape=[128, 128]),
+                r"describes FP8 .* w1\.dtype=float32",
+            ),
+            ("no_scales", "fp8", dict(block_shape=[128, 128], w1_scale=None), r"w1_scale is None"),
+            (  # scales made for 64x64 tiles
+                "scales_of_another_tile",
+                "fp8",
+                dict(block_shape=(128, 128), w2_scale=jnp.ones((4, 2, 2), jnp.float32)),
+                r"w2_scale is float32\[4, 2, 2\] but float32\[4, 1, 1\] .*one scale per 128x128",
+            ),
+        ]
+    ),
 )
 def test_block_shape_is_checked_against_the_weights_and_scales(dtype, change, match):
     with pytest.raises(ValueError, match=match):

@@ -221,18 +221,13 @@ def test_grouped_topk_scores_round_to_the_logits_dtype():
 @pytest.mark.parametrize(
     "logits,kwargs,error,match",
     [
-        pytest.param(jnp.ones(8), {}, ValueError, r"gating_output\.shape", id="1d"),
-        pytest.param(jnp.ones((2, 8), jnp.int32), {}, TypeError, r"gating_output\.dtype", id="int"),
-        pytest.param(jnp.ones((2, 8)), dict(topk=0), ValueError, r"topk=0", id="k0"),
-        pytest.param(jnp.ones((2, 8)), dict(topk=9), ValueError, r"topk=9", id="k_gt_E"),
-        pytest.param(
-            jnp.ones((2, 8)),
-            dict(scoring_func="relu"),
-            ValueError,
-            r"unknown scoring_func 'relu'.*softmax.*sigmoid",
-            id="scoring",
-        ),
+        (jnp.ones(8), {}, ValueError, r"gating_output\.shape"),
+        (jnp.ones((2, 8), jnp.int32), {}, TypeError, r"gating_output\.dtype"),
+        (jnp.ones((2, 8)), dict(topk=0), ValueError, r"topk=0"),
+        (jnp.ones((2, 8)), dict(topk=9), ValueError, r"topk=9"),
+        (jnp.ones((2, 8)), dict(scoring_func="relu"), ValueError, r"'relu'.*softmax.*sigmoid"),
     ],
+    ids=["1d", "int", "k0", "k_gt_E", "scoring"],
 )
 def test_fused_topk_bad_input(logits, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -242,20 +237,13 @@ def test_fused_topk_bad_input(logits, kwargs, error, match):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        pytest.param(dict(num_expert_group=3), r"num_expert_group=3", id="E_not_multiple_of_G"),
-        pytest.param(dict(topk_group=5), r"topk_group=5", id="topk_group_gt_G"),
-        pytest.param(dict(topk=5), r"topk=5", id="k_gt_kept_experts"),
-        pytest.param(
-            dict(e_score_correction_bias=jnp.zeros(7)),
-            r"e_score_correction_bias\.shape",
-            id="bias_shape",
-        ),
-        pytest.param(
-            dict(scoring_func="tanh"),
-            r"unknown scoring_func 'tanh'.*softmax.*sigmoid",
-            id="scoring",
-        ),
+        (dict(num_expert_group=3), r"num_expert_group=3"),
+        (dict(topk_group=5), r"topk_group=5"),
+        (dict(topk=5), r"topk=5"),
+        (dict(e_score_correction_bias=jnp.zeros(7)), r"e_score_correction_bias\.shape"),
+        (dict(scoring_func="tanh"), r"unknown scoring_func 'tanh'.*softmax.*sigmoid"),
     ],
+    ids=["E_not_multiple_of_G", "topk_group_gt_G", "k_gt_kept_experts", "bias_shape", "scoring"],
 )
 def test_grouped_topk_bad_input(kwargs, match):
     args = {"topk": 2, "renormalize": True, "num_expert_group": 4, "topk_group": 2, **kwargs}
@@ -266,21 +254,12 @@ def test_grouped_topk_bad_input(kwargs, match):
 @pytest.mark.parametrize(
     "route,match",
     [
-        pytest.param(lambda x: fused_topk(x, 2.0), r"topk=2\.0 must be an int", id="fused_k"),
-        pytest.param(
-            lambda x: grouped_topk(x, 2.0, True, 4, 2), r"topk=2\.0 must be an int", id="grouped_k"
-        ),
-        pytest.param(
-            lambda x: grouped_topk(x, 2, True, 4.0, 2),
-            r"num_expert_group=4\.0 must be an int",
-            id="groups",
-        ),
-        pytest.param(
-            lambda x: grouped_topk(x, 2, True, 4, True),
-            r"topk_group=True must be an int, not a bool",
-            id="kept_groups_bool",
-        ),
+        (lambda x: fused_topk(x, 2.0), r"topk=2\.0 must be an int"),
+        (lambda x: grouped_topk(x, 2.0, True, 4, 2), r"topk=2\.0 must be an int"),
+        (lambda x: grouped_topk(x, 2, True, 4.0, 2), r"num_expert_group=4\.0 must be an int"),
+        (lambda x: grouped_topk(x, 2, True, 4, True), r"topk_group=True must be an int, not a"),
     ],
+    ids=["fused_k", "grouped_k", "groups", "kept_groups_bool"],
 )
 def test_counts_must_be_ints_and_a_bad_one_leaves_later_calls_working(route, match):
     """A float k used to reach `jax.lax.top_k` as a shape: an error naming no argument, and
