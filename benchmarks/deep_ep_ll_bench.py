@@ -9,13 +9,9 @@ World size 1: every expert is local, DeepEP's "sends" stay on the GPU (NVSHMEM P
 Prints one JSON line per measurement and a summary table; exits non-zero when a check fails.
 
 Timing (METHOD.md): dispatch -> combine round trips chained through their data (the combine's
-output is the next dispatch's input), medians over samples. Two views:
-- "wall": a burst of N round trips (moe_jax: one jitted program of N chained calls; direct: a
-  Python loop), one device sync, divided by N.
-- "split": CUDA events recorded on the running stream when DeepEP's dispatch and combine are
-  entered (a thin proxy around the Buffer, the same for both), so dispatch = dispatch entry ->
-  combine entry (moe_jax: plus the copy of the received rows into XLA's buffers) and combine =
-  combine entry -> next dispatch entry.
+output is the next dispatch's input), medians over samples: a burst of N round trips (moe_jax:
+one jitted program of N chained calls; direct: a Python loop), one device sync, divided by N,
+for each receive copy (`recv_copy`).
 
 Command-buffer mode (`--graph`, run with XLA_FLAGS letting XLA capture custom calls, e.g.
 `--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN
@@ -69,36 +65,6 @@ def check(name: str, ok: bool, **details) -> None:
     report(check=name, ok=bool(ok), **details)
     if not ok:
         FAILURES.append(name)
-
-
-class EventProxy:
-    """Records a CUDA event on the current stream each time DeepEP's LL dispatch/combine is
-    entered (torch's current stream is XLA's inside moe_jax's callbacks)."""
-
-    def __init__(self, buffer, torch):
-        self.buffer, self.torch, self.marks = buffer, torch, []
-
-    def _mark(self, what):
-        event = self.torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.marks.append((what, event))
-
-    def low_latency_dispatch(self, *args, **kwargs):
-        self._mark("dispatch")
-        return self.buffer.low_latency_dispatch(*args, **kwargs)
-
-    def low_latency_combine(self, *args, **kwargs):
-        self._mark("combine")
-        return self.buffer.low_latency_combine(*args, **kwargs)
-
-    def split_us(self) -> tuple[float, float]:
-        """Median dispatch and combine section times (us) over the recorded marks."""
-        self.torch.cuda.synchronize()
-        spans = {"dispatch": [], "combine": []}
-        for (what, start), (_, end) in zip(self.marks, self.marks[1:], strict=False):
-            spans[what].append(start.elapsed_time(end) * 1e3)
-        self.marks = []
-        return statistics.median(spans["dispatch"]), statistics.median(spans["combine"])
 
 
 def make_problem(args, seed: int):
@@ -174,53 +140,31 @@ def check_dispatch_against_direct(args, ll, buffer, torch) -> None:
     check("dispatch_valid_rows_equal_direct", same, rows=int(count.sum()))
 
 
-def time_round_trips(args, ll, proxy, torch) -> dict:
-    """Wall and split times of chained dispatch -> combine (module docstring)."""
-    p = ll.problem
+def time_round_trips(args, ll, torch) -> dict:
+    """Wall time per round trip of chained dispatch -> combine (module docstring)."""
+    p, n = ll.problem, args.burst
     x, _, tw, ids = make_problem(args, 4)
     y = jax.random.normal(jax.random.key(5), (p.num_local_experts, p.num_tokens, p.hidden))
     y = (y * 0.1).astype(jnp.bfloat16)
-    n = args.burst
-
-    def chain(x, y, tw, ids):
-        for _ in range(n):
-            x = ll.combine(y, ids, tw, ll.dispatch(x, ids))
-        return x
-
-    ours = jax.jit(chain)
+    ours = jax.jit(functools.partial(_chain_with, ll, n))
     x_t, y_t = torch.from_dlpack(x).clone(), torch.from_dlpack(y).clone()
     tw_t, ids_t = torch.from_dlpack(tw).clone(), torch.from_dlpack(ids).to(torch.int64)
-    buf = ll.buffer  # the proxy when timing splits
 
     def direct(x_t):
         for _ in range(n):
-            _, _, handle, _, _ = buf.low_latency_dispatch(
+            _, _, handle, _, _ = ll.buffer.low_latency_dispatch(
                 x_t, ids_t, p.num_tokens, p.num_experts, use_fp8=True
             )
-            x_t, _, _ = buf.low_latency_combine(y_t, ids_t, tw_t, handle)
+            x_t, _, _ = ll.buffer.low_latency_combine(y_t, ids_t, tw_t, handle)
         return x_t
 
     def wall(fn, sync):  # us per round trip: each sample is one waited-for chain of n
         return time_calls(fn, wait=sync, samples=args.samples, burst=1).streamed_ms * 1e3 / n
 
-    results = {
+    return {
         "direct_wall_us": wall(lambda: direct(x_t), lambda _: torch.cuda.synchronize()),
         "moe_jax_wall_us": wall(lambda: ours(x, y, tw, ids), jax.block_until_ready),
     }
-    # Split view: same programs, built around the event proxy.
-    proxy_ll = dep_ll.DeepEPLowLatency(buffer=proxy, problem=p, recv_copy=ll.recv_copy)
-    ours_split = jax.jit(lambda *a: _chain_with(proxy_ll, n, *a))
-    buf = proxy
-    runs = (("direct", lambda: direct(x_t)), ("moe_jax", lambda: ours_split(x, y, tw, ids)))
-    for name, fn in runs:
-        fn()
-        proxy.split_us()  # synchronizes; drops the warm-up marks
-        for _ in range(args.samples):
-            fn()
-            torch.cuda.synchronize()  # the whole device: XLA's stream too
-        d, c = proxy.split_us()
-        results[f"{name}_dispatch_us"], results[f"{name}_combine_us"] = d, c
-    return results
 
 
 def _identity_round_trip(ll, x, tw, ids):
@@ -388,22 +332,6 @@ def _chain_with(ll, n, x, y, tw, ids):
     return x
 
 
-def time_layer(args, ll) -> dict:
-    """The LL layer vs single-device fused_moe on the same tokens (jitted, streamed medians)."""
-    from moe_jax.cli.timing import time_jax
-
-    x, w, tw, ids = make_problem(args, 6)
-    layer = ll_layer(ll)
-    single = jax.jit(
-        lambda x, w, tw, ids: fused_moe(
-            x, w.w1, w.w2, tw, ids, w1_scale=w.w1_scale, w2_scale=w.w2_scale
-        )
-    )
-    ll_ms, _ = time_jax(layer, (x, w, tw, ids), iters=args.samples)
-    fused_ms, _ = time_jax(single, (x, w, tw, ids), iters=args.samples)
-    return {"ll_layer_us": ll_ms * 1e3, "fused_moe_us": fused_ms * 1e3}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     distributed.add_arguments(parser)
@@ -450,7 +378,6 @@ def main() -> int:
             ("layer_vs_fused_moe", lambda: check_layer(args, ll, torch)),
         ]
         if not (args.quick or args.skip_eager_timing):
-            proxy = EventProxy(buffer, torch)
             for copy in ("valid_rows", "all_rows"):
                 timed = dep_ll.DeepEPLowLatency(buffer=buffer, problem=problem, recv_copy=copy)
                 steps.append(
@@ -460,11 +387,10 @@ def main() -> int:
                             timing="round_trip",
                             recv_copy=copy,
                             burst=args.burst,
-                            **time_round_trips(args, timed, proxy, torch),
+                            **time_round_trips(args, timed, torch),
                         ),
                     )
                 )
-            steps.append(("layer", lambda: report(timing="layer", **time_layer(args, ll))))
         if args.graph and not args.quick:
             steps.append(
                 (

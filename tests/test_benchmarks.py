@@ -70,15 +70,6 @@ def test_gemm_sweep_times_the_mosaic_kernel_on_64_row_segments(tmp_path, monkeyp
     assert all("failed" not in r for r in entry["results"]), entry["results"]
 
 
-def test_gemm_sweep_defaults_to_the_layers_own_alignment():
-    """Without --alignment each T gets the segment multiple the layer's Pallas GEMM uses."""
-    from moe_jax.cli import decode_bench
-
-    shape = decode_bench.SHAPES["deepseek_v3"]  # 256 experts, k=8: T / 32 pairs per expert
-    got = [gemm_sweep.layer_alignment(shape, t) for t in (1, 256, 257, 512, 513, 2048)]
-    assert got == [16, 16, 32, 32, 64, 64]
-
-
 def test_kernel_gaps_summary_counts_overlaps_once_and_ranks_gaps():
     events = [  # given out of order; "c" runs on a second stream inside "b"
         kernel_gaps.KernelEvent("d", 100.0, 10.0),

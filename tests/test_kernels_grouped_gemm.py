@@ -35,9 +35,7 @@ from gemm_problems import (
 
 import moe_jax.kernels.grouped_gemm  # noqa: F401  (registers "pallas")
 import moe_jax.quant
-from moe_jax import grouped_gemm, layouts
-from moe_jax.contiguous_experts import ContiguousExperts
-from moe_jax.experts import ExpertWeights
+from moe_jax import grouped_gemm
 from moe_jax.fused_moe import fused_moe
 from moe_jax.grouped_gemm import GemmProblem
 from moe_jax.plan import segment_alignment
@@ -158,19 +156,6 @@ def test_interpret_backend_runs_anywhere_but_auto_never_picks_it():
         for pairs in (8, 10**6):
             names = grouped_gemm.GEMMS.preference(_problem(platform=platform, num_pairs=pairs))
             assert "pallas_interpret" not in names
-
-
-def test_contiguous_experts_take_the_pallas_alignment():
-    weights = ExpertWeights(
-        w1=jnp.zeros((4, 64, 32), jnp.bfloat16), w2=jnp.zeros((4, 32, 32), jnp.bfloat16)
-    )
-    pair = ContiguousExperts(gemm="pallas_interpret").plan_for(
-        weights, num_tokens=3, topk=2, x_dtype=jnp.bfloat16
-    )
-    assert pair.gemm1.name == pair.gemm2.name == "pallas_interpret"
-    assert pair.alignment == gg.PallasGemm.alignment == 16
-    rows = layouts.contiguous_num_rows(3, 2, 4, pair.alignment)
-    assert rows == 80  # round_up(6 pairs + 4 segments * 15 padding rows, 16)
 
 
 # bf16: the segments are chosen by pairs per expert whatever the dtype; the FP8 layer through

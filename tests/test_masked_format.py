@@ -19,7 +19,7 @@ import oracles
 import pytest
 from oracles import assert_moe_close, moe_inputs
 
-from moe_jax import ContiguousExperts, MaskedExperts, ModularMoE, fused_moe
+from moe_jax import MaskedExperts, ModularMoE, fused_moe
 from moe_jax.prepare_finalize import MaskedPrepareFinalize
 
 pytestmark = pytest.mark.cpu_numerics  # XLA:CPU rounding (conftest.py)
@@ -132,12 +132,8 @@ def test_masked_format_gradients_equal_the_experts_own_layout():
     assert np.abs(np.asarray(got[1])).max() > 0
 
 
-def test_formats_must_match_and_masked_tokens_are_not_chunked():
-    masked = MaskedPrepareFinalize(num_experts=4)
-    with pytest.raises(
-        ValueError, match="delivers the masked activation format but ContiguousExperts"
-    ):
-        ModularMoE(masked, ContiguousExperts(gemm="xla"))
+def test_masked_tokens_are_not_chunked_and_the_map_goes_to_the_prepare():
+    masked = MaskedPrepareFinalize(num_experts=4)  # with ContiguousExperts: test_contract_modular
     with pytest.raises(ValueError, match="chunk_size=8 but MaskedPrepareFinalize delivers masked"):
         ModularMoE(masked, EXPERTS, chunk_size=8)
     layer = ModularMoE(masked, EXPERTS)
