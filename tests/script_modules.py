@@ -1,6 +1,6 @@
 """scripts/ and benchmarks/ for their tests: a file of scripts/ (not a package) imported as a
-module for one test module, a tool of benchmarks/ imported as `benchmarks.NAME`, or a command run
-at the repository root as the GPU host runs it."""
+module for one test module, a tool of benchmarks/ imported as `benchmarks.NAME`, a command run
+at the repository root as the GPU host runs it, or a script run by `moe_jax.distributed`."""
 
 from __future__ import annotations
 
@@ -55,5 +55,22 @@ def run_at_root(
         env={**os.environ, "PATH": path, **env},
         capture_output=True,
         text=True,
+        timeout=timeout,
+    )
+
+
+def run_distributed(
+    script, *args: str, num_processes: int, port: int, timeout: float, env=None
+) -> subprocess.CompletedProcess:
+    """`python -m moe_jax.distributed --num-processes N --coordinator-address 127.0.0.1:PORT
+    SCRIPT ARGS` (`script` relative to the repository root, or absolute), output captured; the
+    launcher stops its processes a minute before `timeout`."""
+    argv = ["--num-processes", str(num_processes), "--coordinator-address", f"127.0.0.1:{port}"]
+    argv += ["--timeout-s", str(timeout - 60)]
+    return subprocess.run(
+        [sys.executable, "-m", "moe_jax.distributed", *argv, str(ROOT / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=timeout,
     )

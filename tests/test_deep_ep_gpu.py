@@ -13,34 +13,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import script_modules
 
 
 def _run_ll_bench(port: int, *args: str) -> str:
     if importlib.util.find_spec("deep_ep") is None:
         pytest.skip("deep_ep is not installed (pip install tokenspeed-deepep==1.2.1.post20251110)")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_jax.distributed",
-            "--num-processes",
-            "1",
-            "--coordinator-address",
-            f"127.0.0.1:{port}",
-            os.path.join(ROOT, "benchmarks", "deep_ep_ll_bench.py"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    script = "benchmarks/deep_ep_ll_bench.py"
+    proc = script_modules.run_distributed(script, *args, num_processes=1, port=port, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert '"failures": []' in proc.stdout
     return proc.stdout

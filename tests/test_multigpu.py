@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
+import script_modules
 
 from moe_jax import distributed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
 import argparse, jax, torch, torch.distributed as dist
@@ -39,24 +36,7 @@ def test_launcher_starts_jax_and_torch_together(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_jax.distributed",
-            "--num-processes",
-            "2",
-            "--coordinator-address",
-            "127.0.0.1:29641",
-            "--timeout-s",
-            "240",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = script_modules.run_distributed(script, num_processes=2, port=29641, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         assert f"rank={rank} jax_processes=2 sum=3" in proc.stdout
@@ -92,21 +72,8 @@ def _num_gpus() -> int:
 def test_expert_parallel_on_two_gpus_matches_fused_moe():
     if importlib.util.find_spec("deep_ep") is None:
         pytest.skip("deep_ep is not installed (pip install tokenspeed-deepep==1.2.1.post20251110)")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_jax.distributed",
-            "--num-processes",
-            "2",
-            "--coordinator-address",
-            "127.0.0.1:29651",
-            os.path.join(ROOT, "scripts", "ep_multigpu.py"),
-            "--quick",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    proc = script_modules.run_distributed(
+        "scripts/ep_multigpu.py", "--quick", num_processes=2, port=29651, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count('"failures": []') == 2
