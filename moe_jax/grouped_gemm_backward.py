@@ -26,7 +26,8 @@ makes the activation's (a masking pass here would cost one more read and write o
 masked layout's wgrad masks x itself. dx on padding rows is unspecified; the permute's backward
 never reads it.
 
-Residuals: x and w (or the FP8 w^T and its scales) only; nothing [M, N]-sized is saved.
+Residuals: x and w (with FP8 w its scales; under the recipe its FP8 w^T and their scales,
+quantized together with w) only; nothing [M, N]-sized is saved.
 
 WGRADS implementations: "xla" (`wgrad_reference`, everywhere), "torch" (`torch._grouped_mm`
 with `offs`), "mosaic" (Mosaic GPU `transposed_ragged_dot`, named only) and "pallas"
@@ -305,13 +306,10 @@ def _frozen(primals) -> list[str | None]:
 
 
 def _contiguous_forward(statics, x, x_scales, w, w_scales, expert_ids, expert_ends):
-    """(y, (the dgrad's weights, their scales)): w itself, or the FP8 w^T [E, K, N]."""
+    """(y, (the dgrad's weights, their scales)): the recipe's FP8 w^T [E, K, N], else w."""
+    wt, wt_scales = w, w_scales
     if statics.recipe is not None:
         w, w_scales, wt, wt_scales = statics.recipe.quantize(w)
-    elif w_scales is not None:
-        wt, wt_scales = jnp.swapaxes(w, 1, 2), jnp.swapaxes(w_scales, 1, 2)
-    else:
-        wt, wt_scales = w, None
     if w_scales is not None and x_scales is None:  # float rows
         x, x_scales = statics.fp8_rows(x)
     y = statics.backend.contiguous(
@@ -347,6 +345,8 @@ def _contiguous_bwd(statics, residuals, g):
     if wt_scales is None:
         dx = dgrad.contiguous_dgrad(g, w, expert_ids, expert_ends, **kwargs)
     else:
+        if statics.recipe is None:  # FP8 weights: w^T made here, not kept from the forward
+            wt, wt_scales = jnp.swapaxes(wt, 1, 2), jnp.swapaxes(wt_scales, 1, 2)
         gq, gs = statics.fp8_rows(g)
         dx = dgrad.contiguous(
             gq, wt, expert_ids, expert_ends, x_scales=gs, w_scales=wt_scales, **kwargs
