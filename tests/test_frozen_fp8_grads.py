@@ -59,8 +59,8 @@ def _dequantized(w1, w2, scales):
     )
 
 
-def _check_grads(name: str, problem: Problem, dtype: str) -> None:
-    """d<fused_moe(...), probe> / d(x, topk_weights) against the float64 oracle's."""
+def _check_grads(name: str, problem: Problem, dtype: str, **options) -> None:
+    """d<fused_moe(..., **options), probe> / d(x, topk_weights) against the float64 oracle's."""
     x, w1, w2, weights, ids, expert_map, scales = _inputs(problem, "fp8")
     x = x.astype(dtype)
     rng = np.random.default_rng(oracles.seed("frozen_fp8_probe", str(problem)))
@@ -69,8 +69,9 @@ def _check_grads(name: str, problem: Problem, dtype: str) -> None:
 
     def loss(x, weights):
         out = fused_moe(
-            x, w1, w2, weights, ids, experts=name, expert_map=jnp.asarray(expert_map), **kwargs
-        )
+            x, w1, w2, weights, ids, experts=name, expert_map=jnp.asarray(expert_map),
+            **kwargs, **options,
+        )  # fmt: skip
         return jnp.sum(out.astype(jnp.float32) * probe)
 
     try:
@@ -84,7 +85,9 @@ def _check_grads(name: str, problem: Problem, dtype: str) -> None:
     with jax.enable_x64(True):
 
         def reference(x, weights):
-            return jnp.sum(oracles.fused_moe_jnp(x, w1f, w2f, weights, local) * probe)
+            on_input = options.get("apply_router_weight_on_input", False)
+            out = oracles.fused_moe_jnp(x, w1f, w2f, weights, local, weight_on_input=on_input)
+            return jnp.sum(out * probe)
 
         args = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, weights))
         wants = [np.asarray(w) for w in jax.grad(reference, argnums=(0, 1))(*args)]
@@ -109,6 +112,14 @@ def test_frozen_fp8_grads_match_the_float64_oracle(name, problem):
 @pytest.mark.parametrize("name", NEVER_SKIP)
 def test_float32_tokens_too(name):
     _check_grads(name, AWKWARD, "float32")
+
+
+@pytest.mark.parametrize("name", ["xla", "xla_masked"])
+def test_chunks_and_the_router_weight_on_the_input(name):
+    """Chunks of 2 tokens (the layer's static-shape loop), and top-1 weights applied to x."""
+    _check_grads(name, AWKWARD, "bfloat16", chunk_size=2)
+    top1 = Problem("top1_T5", 5, topk=1)
+    _check_grads(name, top1, "bfloat16", apply_router_weight_on_input=True)
 
 
 @pytest.mark.parametrize("argument", ["w1", "w2", "w1_scale", "w2_scale"])
