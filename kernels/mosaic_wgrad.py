@@ -19,7 +19,7 @@ from moe_jax import grouped_gemm, grouped_gemm_backward
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicWgradConfig:
     """Tile sizes of `transposed_ragged_dot_mgpu.transposed_ragged_dot` (names as there);
-    defaults from `benchmarks/wgrad_bench.py --sweep` (BENCHMARKS.md)."""
+    defaults measured in BENCHMARKS.md, Thresholds: `WgradConfig`."""
 
     block_m: int = 128
     block_n: int = 128

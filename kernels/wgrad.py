@@ -38,7 +38,7 @@ _DTYPES = ("bfloat16", "float16", "float32")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WgradConfig:
     """Tiles of the wgrad kernel: powers of two >= 16 (block_m must divide the alignment);
-    defaults from `benchmarks/wgrad_bench.py --sweep` (BENCHMARKS.md).
+    defaults measured in BENCHMARKS.md, Thresholds: `WgradConfig`.
 
     Attributes:
       block_m: rows (tokens) summed per loop step.

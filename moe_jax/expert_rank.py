@@ -1,10 +1,9 @@
 """Rank of each routed (token, slot) pair among the earlier pairs of its expert, in pure JAX.
 
-`moe_jax.layouts.contiguous_destinations` places pair p at row `start[expert] + rank[p]`; every
-method here returns the same bits (rank, and the pairs per expert), at different costs on a GPU:
+`moe_jax.layouts.contiguous_destinations` places pair p at row `start[expert] + rank[p]`; both
+methods here return the same bits (rank, and the pairs per expert), at different costs on a GPU:
 `method_for` takes "pairwise" up to `PAIRWISE_MAX_PAIRS` and "blocked" above (BENCHMARKS.md,
-Thresholds: `PAIRWISE_MAX_PAIRS`); "cumsum" and "sorted" stay for
-`benchmarks/destinations_bench.py` to compare.
+Thresholds: `PAIRWISE_MAX_PAIRS`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 PAIRWISE_MAX_PAIRS = 4096  # up to here one [P, P] compare is fastest
 BLOCK = 256  # pairs per block of the "blocked" rank (fastest of 128-1024 at P=32768 and 65536)
 TRIANGULAR_PREFIX_MAX_BLOCKS = 512  # up to here blocks are prefixed by one masked sum
-METHODS = ("pairwise", "blocked", "sorted", "cumsum")
+METHODS = ("pairwise", "blocked")
 
 
 def method_for(num_pairs: int) -> str:
@@ -44,15 +43,6 @@ def rank_pairwise(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.
     earlier = index[None, :] < index[:, None]
     rank = jnp.sum(earlier & (flat[None, :] == flat[:, None]), axis=1, dtype=jnp.int32)
     return rank, _one_hot_counts(flat, num_experts)
-
-
-def rank_cumsum(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(rank, counts) by an inclusive cumsum down a one-hot int32[P, E]: a scan over the whole
-    [P, E] matrix."""
-    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-    counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
-    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
-    return rank, counts
 
 
 def rank_blocked(
@@ -108,26 +98,7 @@ def rank_blocked(
     return rank, jnp.sum(block_counts, axis=0, dtype=jnp.int32)
 
 
-def rank_sorted(flat: jax.Array, *, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """(rank, counts) from a stable sort by expert and the inverse permutation.
-
-    A valid pair's position in that order is (pairs of smaller experts) + (its rank); ids
-    outside [0, E) sort last (key E). The (key, index) sort compares keys only, which XLA on
-    GPU may run as a CUB radix sort of pairs.
-    """
-    num_pairs = flat.size
-    counts = _one_hot_counts(flat, num_experts)
-    key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts).astype(jnp.int32)
-    index = jnp.arange(num_pairs, dtype=jnp.int32)
-    _, order = jax.lax.sort((key, index), num_keys=1, is_stable=True)
-    position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(index, unique_indices=True)
-    first_of_expert = jnp.cumsum(counts, dtype=jnp.int32) - counts
-    return position - first_of_expert[jnp.clip(flat, 0, num_experts - 1)], counts
-
-
 RANKERS = {
     "pairwise": rank_pairwise,
     "blocked": rank_blocked,
-    "sorted": rank_sorted,
-    "cumsum": rank_cumsum,
 }
