@@ -21,7 +21,7 @@ bf16 -> per-token-group quantization -> GEMM2 -> bf16 [*, H] -> float32 weighted
 Every stage is differentiable with float weights, whatever backend runs it (custom VJPs in
 `moe_jax.permute` and `moe_jax.grouped_gemm_backward`); `ContiguousExperts(recipe=Fp8Training())`
 trains float master weights through FP8 GEMMs (`moe_jax.fp8_training`). Pre-quantized FP8 weights
-are inference-only.
+are held constant: gradients reach the tokens and routing weights, never the float8 weights.
 """
 
 from __future__ import annotations
