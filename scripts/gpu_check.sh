@@ -15,6 +15,10 @@
 #       shapes B and A (the FP8 layer, "auto" and never fused, and its fused-GEMM1 variants, the
 #       gathered one too), then benchmarks/: `kernel_gaps` for both experts at B and A and for the
 #       gathered GEMM1 at B (to the log; 5 files to $OUT: the device tool brings back at most 8)
+#   bash scripts/gpu_check.sh peers      moe_jax against what a user would pick instead: the
+#       tokamax rows (the `peers` extra; the kit installs it) of `bench` (A, B), `bench --train`
+#       and `bench --decode` with moe_jax on the same bf16 weights, then `bench --model` (a whole
+#       Qwen3-MoE against jax.lax.ragged_dot experts and transformers in torch)
 #   bash scripts/gpu_check.sh baseline [bench args]   today's code against an earlier commit's
 #       (`bash scripts/baseline_tree.sh COMMIT` here first, then carry .baseline): `bench` (by
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
@@ -141,6 +145,19 @@ case "$mode" in
       2>&1 | tee -a "$out/prefill.log" || status=1
     exit "$status"
     ;;
+  peers)
+    status=0
+    for args in "--shapes B A --variants tokamax tokamax_mosaic tokamax_triton moe_jax_bf16 moe_jax_fp8" \
+      "--train --shapes B A --variants auto tokamax tokamax_mosaic tokamax_triton" \
+      "--decode --tokens 1 32 128 512 2048 --variants auto_bf16 tokamax tokamax_mosaic tokamax_triton" \
+      "--model"; do
+      name=$(echo "$args" | awk '{print ($1 ~ /^--(train|decode|model)$/) ? substr($1, 3) : "forward"}')
+      # shellcheck disable=SC2086
+      python3 -m moe_jax bench $args --json "$out/peers_$name.json" 2>&1 | tee -a "$out/peers.log" \
+        || status=1
+    done
+    exit "$status"
+    ;;
   baseline)
     # today's code against an earlier commit's, in alternating `bench` runs on this machine
     base="${MOE_JAX_BASELINE_DIR:-.baseline}"
@@ -166,7 +183,7 @@ case "$mode" in
     exit "$status"
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|baseline (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|peers|baseline (see the top of this file)" >&2
     exit 2
     ;;
 esac

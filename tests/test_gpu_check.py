@@ -4,6 +4,7 @@ CPU: a stand-in `nvidia-smi` on PATH names the GPU."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -44,3 +45,24 @@ def test_the_required_gpu_runs_the_mode(tmp_path):
     done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "baseline"], env, 60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "bash scripts/baseline_tree.sh COMMIT" in done.stderr
+
+
+def test_the_peers_mode_names_variants_each_bench_knows():
+    """`gpu_check.sh peers` runs `bench` with these arguments: each parses, and each variant is
+    one its bench runs (a typo would cost a GPU run)."""
+    from moe_jax import __main__ as cli
+    from moe_jax import experts_names
+    from moe_jax.cli import decode_bench, layer_bench, tokamax_peer, train_bench
+
+    text = (script_modules.ROOT / "scripts" / "gpu_check.sh").read_text()
+    block = text.split("\n  peers)", 1)[1].split(";;", 1)[0]
+    runs = re.findall(r'"(--[^"$]+)"', block)
+    assert len(runs) == 4, runs
+    for run in runs:
+        args = cli._parser().parse_args(["bench", *run.split()])
+        if args.decode:
+            known = {*experts_names(), *tokamax_peer.PEERS}
+            known |= {name + decode_bench.BF16_SUFFIX for name in experts_names()}
+        else:
+            known = train_bench.VARIANTS if args.train else layer_bench.VARIANTS
+        assert set(args.variants or ()) <= set(known), run
