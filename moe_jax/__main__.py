@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         help="subset of variants (default: all; --train and --decode have their own: with "
-        "--decode, fused_moe experts names such as auto deep_gemm pallas deep_gemm_masked)",
+        "--decode, fused_moe experts names such as auto deep_gemm pallas deep_gemm_masked, the "
+        "same on bf16 weights as auto_bf16, and the tokamax peers tokamax tokamax_mosaic "
+        "tokamax_triton)",
     )
     bench.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     bench.add_argument(
