@@ -559,14 +559,19 @@ def fused_moe_grads(x, w1, w2, topk_weights, probe, local_ids, *, weight_on_inpu
         return [np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2, 3))(*args)]
 
 
+def assert_grad_close(name: str, got, want, tol: float) -> None:
+    """One gradient finite, of `want`'s shape, and within relative Frobenius error `tol` of the
+    float64 `want` (a zero `want` asks for exact zeros)."""
+    got, want = np.asarray(jnp.asarray(got, jnp.float32), np.float64), np.asarray(want)
+    assert got.shape == want.shape and np.all(np.isfinite(got)), (name, got.shape, want.shape)
+    error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert error <= tol, f"d{name}: relative error {error:.2e} > {tol}"
+
+
 def assert_grads_close(grads, wants, tol: float) -> None:
-    """Each of the (x, w1, w2, topk_weights) gradients finite and within relative Frobenius
-    error `tol` of the float64 one."""
+    """Each of the (x, w1, w2, topk_weights) gradients as `assert_grad_close`."""
     for name, got, want in zip(("x", "w1", "w2", "topk_weights"), grads, wants, strict=True):
-        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-        assert np.all(np.isfinite(got)), name
-        error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-        assert error <= tol, f"d{name}: relative error {error:.2e} > {tol}"
+        assert_grad_close(name, got, want, tol)
 
 
 # --- expert parallelism ----------------------------------------------------------------------

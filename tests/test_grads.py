@@ -4,9 +4,9 @@ jnp MoE (x64 enabled locally); every experts name's bf16 VJP is tests/test_contr
 
 The reference, `oracles.fused_moe_jnp`, restates the layer's math with no moe_jax code: per
 (token, slot) it gathers the expert's weights and runs the MLP in float64, with no rounding.
-Tolerances (relative Frobenius error of each gradient): float32 inputs 1e-5 (the library rounds
-nowhere but float32 sums); bfloat16 inputs 3e-2 (rounded GEMM outputs and activations, as vLLM
-rounds).
+Inputs: `oracles.moe_inputs` (negative router weights) with each test's ids. Tolerance (relative
+Frobenius error of each gradient, `oracles.assert_grads_close`): float32 inputs 1e-5 (the library
+rounds nowhere but float32 sums).
 
 The "torch" cases run torch's CPU twin on the CPU; on a GPU, torch's grouped GEMM takes bfloat16
 and FP8 only, so the float32 cases that name torch skip there, with the registry's refusal as the
@@ -33,7 +33,7 @@ from moe_jax.contiguous_experts import ContiguousExperts
 from moe_jax.masked_experts import MASKED_SUFFIX, MaskedExperts
 from moe_jax.registry import NoImplementationError
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+TOL = 1e-5  # float32 inputs: relative Frobenius error of each gradient
 T, H, I, E, K = 6, 16, 8, 4, 2  # noqa: E741 - DESIGN.md's dimension names
 
 ALIGN = 8  # small segments keep the CPU programs small; every backend here accepts 8
@@ -53,19 +53,7 @@ EXPERTS = [
     pytest.param(MaskedExperts(gemm="torch"), id="torch_masked"),
 ]
 
-
-def _inputs(seed: int, dtype, *, num_tokens=T, topk=K):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(num_tokens, H))
-    w1 = rng.normal(size=(E, 2 * I, H)) / 4
-    w2 = rng.normal(size=(E, H, I)) / 3
-    topk_weights = rng.normal(size=(num_tokens, topk))  # negative weights too
-    probe = rng.normal(size=(num_tokens, H))  # loss = <out, probe>
-    round_trip = [np.asarray(jnp.asarray(a, dtype), np.float64) for a in (x, w1, w2)]
-    return (*round_trip, topk_weights, probe)
-
-
-CASES = {  # every case has negative router weights (see _inputs)
+CASES = {  # every case has negative router weights (oracles.moe_inputs)
     "duplicates_and_invalid_ids": dict(ids=[[0, 0], [1, 1], [7, 3], [-1, 3], [1, 3], [-1, -2]]),
     "expert_map_holes": dict(
         ids=[[0, 5], [1, 2], [4, 3], [3, 0], [5, 5], [2, 1]],
@@ -85,99 +73,48 @@ def _skip_off_cpu(error: NoImplementationError):
     pytest.skip(f"the named backend refuses this problem on {jax.default_backend()}: {error}")
 
 
-def _grads(experts, dtype, x, w1, w2, topk_weights, probe, ids, **kwargs):
-    try:
-        return _grads_unchecked(experts, dtype, x, w1, w2, topk_weights, probe, ids, **kwargs)
-    except NoImplementationError as error:
-        _skip_off_cpu(error)
+def _grads(experts, seed: int, ids, *, expert_map=None, **kwargs):
+    """(float32 d<fused_moe(...), probe> / d(x, w1, w2, topk_weights), the float64 reference's)
+    on seeded float32 inputs (`oracles.moe_inputs`) routed by `ids` int[T, k]."""
+    (num_tokens, topk), rng = np.shape(ids), np.random.default_rng(seed)
+    m = oracles.moe_inputs((num_tokens, H, I, E, topk), "float32", rng)
+    probe = rng.standard_normal((num_tokens, H))  # loss = <out, probe>
+    if expert_map is not None:
+        kwargs["expert_map"] = jnp.asarray(expert_map, jnp.int32)
 
-
-def _grads_unchecked(experts, dtype, x, w1, w2, topk_weights, probe, ids, **kwargs):
     def loss(x, w1, w2, topk_weights):
-        out = fused_moe(x, w1, w2, topk_weights, ids, experts=experts, **kwargs)
+        out = fused_moe(x, w1, w2, topk_weights, jnp.asarray(ids), experts=experts, **kwargs)
         return jnp.sum(out.astype(jnp.float32) * probe)
 
-    args = (
-        jnp.asarray(x, dtype),
-        jnp.asarray(w1, dtype),
-        jnp.asarray(w2, dtype),
-        jnp.asarray(topk_weights, jnp.float32),
+    try:
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*m.args()[:4])
+    except NoImplementationError as error:
+        _skip_off_cpu(error)
+    local = oracles.local_ids(ids, E, expert_map)
+    on_input = kwargs.get("apply_router_weight_on_input", False)
+    return grads, oracles.fused_moe_grads(
+        m.x, m.w1, m.w2, m.topk_weights, probe, local, weight_on_input=on_input
     )
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
-
-
-def _reference_grads(x, w1, w2, topk_weights, probe, local_ids, *, weight_on_input=False):
-    with jax.enable_x64(True):
-
-        def loss(x, w1, w2, topk_weights):
-            out = oracles.fused_moe_jnp(
-                x, w1, w2, topk_weights, local_ids, weight_on_input=weight_on_input
-            )
-            return jnp.sum(out * probe)
-
-        grads = jax.grad(loss, argnums=(0, 1, 2, 3))(
-            *(jnp.asarray(a, jnp.float64) for a in (x, w1, w2, topk_weights))
-        )
-        return [np.asarray(g) for g in grads]
-
-
-def _check(grads, expected, dtype):
-    for name, got, want in zip(("x", "w1", "w2", "topk_weights"), grads, expected, strict=True):
-        got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-        assert np.all(np.isfinite(got)), name
-        scale = max(np.linalg.norm(want), 1e-30)
-        error = np.linalg.norm(got - want) / scale
-        assert error <= TOL[dtype], f"d{name}: relative error {error:.2e} > {TOL[dtype]}"
 
 
 @pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_grads_match_float64(experts, case):
-    dtype = jnp.float32
-    spec = CASES[case]
-    ids = np.asarray(spec["ids"])
-    expert_map = spec.get("expert_map")
-    x, w1, w2, topk_weights, probe = _inputs(list(CASES).index(case), dtype)
-    kwargs = {}
-    if expert_map is not None:
-        kwargs["expert_map"] = jnp.asarray(expert_map, jnp.int32)
-    if "chunk_size" in spec:
-        kwargs["chunk_size"] = spec["chunk_size"]
-    grads = _grads(experts, dtype, x, w1, w2, topk_weights, probe, jnp.asarray(ids), **kwargs)
-    local = oracles.local_ids(ids, E, expert_map)
-    _check(grads, _reference_grads(x, w1, w2, topk_weights, probe, local), dtype)
+    oracles.assert_grads_close(*_grads(experts, list(CASES).index(case), **CASES[case]), TOL)
 
 
 @pytest.mark.parametrize("experts", EXPERTS[:2] + EXPERTS[3:4])
 def test_grads_weight_on_input(experts):
-    dtype = jnp.float32
-    x, w1, w2, topk_weights, probe = _inputs(11, dtype, topk=1)
-    ids = np.array([[0], [2], [2], [-1], [3], [1]])
-    grads = _grads(
-        experts,
-        dtype,
-        x,
-        w1,
-        w2,
-        topk_weights,
-        probe,
-        jnp.asarray(ids),
-        apply_router_weight_on_input=True,
-    )
-    local = oracles.local_ids(ids, E)
-    expected = _reference_grads(x, w1, w2, topk_weights, probe, local, weight_on_input=True)
-    _check(grads, expected, dtype)
+    ids = [[0], [2], [2], [-1], [3], [1]]
+    grads, wants = _grads(experts, 11, ids, apply_router_weight_on_input=True)
+    oracles.assert_grads_close(grads, wants, TOL)
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1])
 def test_grads_tiny_batches(num_tokens):
-    experts = EXPERTS[1].values[0]
-    x, w1, w2, topk_weights, probe = _inputs(3, jnp.float32, num_tokens=num_tokens)
     ids = np.array([[2, 2]] * num_tokens, np.int64).reshape(num_tokens, K)
-    grads = _grads(experts, jnp.float32, x, w1, w2, topk_weights, probe, jnp.asarray(ids))
-    local = oracles.local_ids(ids, E)
-    expected = _reference_grads(x, w1, w2, topk_weights, probe, local)
-    for got, want in zip(grads, expected, strict=True):
+    grads, wants = _grads(EXPERTS[1].values[0], 3, ids)
+    for got, want in zip(grads, wants, strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
@@ -246,15 +183,8 @@ def test_recompute_matches_float64(gemm, recompute):
     """Every recomputation policy gives the float64 backward, on awkward routing and chunks."""
     experts = ContiguousExperts(gemm=gemm, wgrad=gemm, alignment=ALIGN, recompute=recompute)
     for case in ("duplicates_and_invalid_ids", "chunked"):
-        spec = CASES[case]
-        ids = np.asarray(spec["ids"])
-        x, w1, w2, topk_weights, probe = _inputs(20 + RECOMPUTE.index(recompute), jnp.float32)
-        kwargs = {"chunk_size": spec["chunk_size"]} if "chunk_size" in spec else {}
-        grads = _grads(
-            experts, jnp.float32, x, w1, w2, topk_weights, probe, jnp.asarray(ids), **kwargs
-        )
-        expected = _reference_grads(x, w1, w2, topk_weights, probe, oracles.local_ids(ids, E))
-        _check(grads, expected, jnp.float32)
+        grads = _grads(experts, 20 + RECOMPUTE.index(recompute), **CASES[case])
+        oracles.assert_grads_close(*grads, TOL)
 
 
 _FLOAT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}  # dtypes as jax prints them
@@ -286,12 +216,13 @@ def _saved_float_bytes(experts, x, w1, w2, topk_weights, ids) -> int:
 def test_recompute_saved_bytes(recompute, per_row):
     """The saved float residuals are what `ContiguousExperts.recompute` documents: per row,
     per_row[0] * H + per_row[1] * I bytes for bf16 tokens."""
-    x, w1, w2, topk_weights, _ = _inputs(9, jnp.bfloat16)
+    x, w1, w2, topk_weights, _ = oracles.moe_inputs(
+        (T, H, I, E, K), "bfloat16", np.random.default_rng(9)
+    ).args()
     ids = jnp.asarray(CASES["duplicates_and_invalid_ids"]["ids"])
     experts = ContiguousExperts(gemm="xla", alignment=ALIGN, recompute=recompute)
-    args = [jnp.asarray(a, jnp.bfloat16) for a in (x, w1, w2)]
-    saved = _saved_float_bytes(experts, *args, jnp.asarray(topk_weights, jnp.float32), ids)
-    rows = layouts.permute_reference(args[0], ids, num_experts=E, alignment=ALIGN).rows.shape[0]
+    saved = _saved_float_bytes(experts, x, w1, w2, topk_weights, ids)
+    rows = layouts.permute_reference(x, ids, num_experts=E, alignment=ALIGN).rows.shape[0]
     assert saved == rows * (per_row[0] * H + per_row[1] * I)
 
 
@@ -338,14 +269,8 @@ def _gpu_reference(x, w1, w2, topk_weights, ids, probe):
     f32 = [a.astype(jnp.float32) for a in (x, w1, w2)]
     experts = ContiguousExperts(gemm="xla", permute_impl="xla", act_quant_impl="xla", wgrad="xla")
     with jax.default_matmul_precision("highest"):
-        return _gpu_grads(experts, *f32, topk_weights, ids, probe)
-
-
-def _assert_close(grads, ref, tol):
-    for name, got, want in zip(("x", "w1", "w2", "topk_weights"), grads, ref, strict=True):
-        got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
-        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-        assert error <= tol, f"d{name}: relative error {error:.2e} > {tol}"
+        grads = _gpu_grads(experts, *f32, topk_weights, ids, probe)
+    return [np.asarray(g, np.float64) for g in grads]
 
 
 @pytest.mark.gpu
@@ -357,7 +282,7 @@ def test_gpu_backend_grads_match_float32_xla(experts):
         grads = _gpu_grads(experts, *args)
     except NoImplementationError as error:
         pytest.skip(f"{experts} does not run this problem here: {error}")
-    _assert_close(grads, _gpu_reference(*args), 2e-2)
+    oracles.assert_grads_close(grads, _gpu_reference(*args), 2e-2)
 
 
 @pytest.mark.gpu
@@ -367,7 +292,7 @@ def test_gpu_fp8_recipe_grads_match_float32_xla():
 
     args = _gpu_problem(32)
     grads = _gpu_grads(ContiguousExperts(recipe=Fp8Training()), *args)
-    _assert_close(grads, _gpu_reference(*args), 8e-2)
+    oracles.assert_grads_close(grads, _gpu_reference(*args), 8e-2)
 
 
 def test_act_and_mul_refuses_float64():
