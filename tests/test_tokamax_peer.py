@@ -7,7 +7,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import oracles
 import pytest
@@ -18,7 +17,7 @@ HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None
 PEERS = list(tokamax_peer.PEERS)
 # relative Frobenius error against the oracle with the same rounding points (bf16: GEMM outputs
 # and act * up rounded to bf16, as both do; the difference is accumulation order)
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 T, E, K, H, I = 24, 6, 2, 64, 32  # noqa: E741 - DESIGN.md's names; ids leave expert 5 empty
 
 
@@ -36,52 +35,38 @@ PARAMS = [
 ]
 
 
-def _inputs(dtype):
-    rng = np.random.default_rng(oracles.seed("tokamax_peer", str(dtype)))
-    x = rng.normal(size=(T, H)).astype(dtype)
-    w1 = (rng.normal(size=(E, 2 * I, H)) * H**-0.5).astype(dtype)
-    w2 = (rng.normal(size=(E, H, I)) * I**-0.5).astype(dtype)
-    ids = np.stack([rng.permutation(E - 1)[:K] for _ in range(T)]).astype(np.int32)
-    weights = rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)
-    return x, w1, w2, weights, ids
-
-
-def _error(got, want) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+def _inputs(dtype: str) -> oracles.MoeInputs:
+    """Ids in [0, E - 1) (duplicates in a row included), negative router weights too."""
+    rng = np.random.default_rng(oracles.seed("tokamax_peer", dtype))
+    return oracles.moe_inputs((T, H, I, E, K), dtype, rng, id_high=E - 1)
 
 
 @pytest.mark.parametrize("impl", PARAMS)
-@pytest.mark.parametrize("dtype", list(TOL), ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", list(TOL))
 def test_peer_layer_matches_the_oracle(impl, dtype):
-    x, w1, w2, weights, ids = _inputs(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32)
-    w1t, w2t = tokamax_peer.to_kn(jnp.asarray(w1), jnp.asarray(w2))
-    got = jax.jit(IMPLS[impl])(jnp.asarray(x), w1t, w2t, weights, ids)
-    assert got.dtype == dtype and got.shape == (T, H)
-    assert _error(got, oracles.fused_moe(x, w1, w2, weights, ids)) <= TOL[dtype]
+    m = _inputs(dtype)
+    x, w1, w2, weights, ids = m.args()
+    got = jax.jit(IMPLS[impl])(x, *tokamax_peer.to_kn(w1, w2), weights, ids)
+    assert got.dtype == x.dtype and got.shape == (T, H)
+    want = oracles.fused_moe(m.x, m.w1, m.w2, m.topk_weights, m.topk_ids)
+    oracles.assert_grad_close("out", got, want, TOL[dtype])  # one array's relative error
 
 
 @pytest.mark.parametrize("impl", PARAMS)
 def test_peer_gradients_match_float64(impl):
     """jax.grad through the peer (tokamax's own VJP for "tokamax") against the float64 oracle's;
     the weight gradients come back in tokamax's [E, K, N] layout."""
-    x, w1, w2, weights, ids = _inputs(np.float32)
+    m = _inputs("float32")
+    x, w1, w2, weights, ids = m.args()
     probe = np.random.default_rng(1).normal(size=(T, H))
 
-    def grads(layer, probe, *args):
-        loss = lambda *a: jnp.sum(layer(*a, ids) * probe)  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    def loss(x, w1t, w2t, weights):
+        return jnp.sum(IMPLS[impl](x, w1t, w2t, weights, ids) * jnp.asarray(probe, jnp.float32))
 
-    w1t, w2t = tokamax_peer.to_kn(jnp.asarray(w1), jnp.asarray(w2))
-    dx, dw1, dw2, dtw = jax.jit(grads, static_argnums=0)(
-        IMPLS[impl], jnp.asarray(probe, jnp.float32), jnp.asarray(x), w1t, w2t, jnp.asarray(weights)
-    )
-    got = (dx, *tokamax_peer.to_kn(dw1, dw2), dtw)
-    with jax.enable_x64(True):
-        f64 = [jnp.asarray(a, jnp.float64) for a in (probe, x, w1, w2, weights)]
-        want = [np.asarray(g) for g in grads(oracles.fused_moe_jnp, *f64)]
-    for name, g, w in zip(("x", "w1", "w2", "topk_weights"), got, want, strict=True):
-        assert _error(g, w) <= 1e-5, name
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    dx, dw1, dw2, dtw = grad(x, *tokamax_peer.to_kn(w1, w2), weights)
+    want = oracles.fused_moe_grads(m.x, m.w1, m.w2, m.topk_weights, probe, m.topk_ids)
+    oracles.assert_grads_close((dx, *tokamax_peer.to_kn(dw1, dw2), dtw), want, TOL["float32"])
 
 
 def test_skip_reasons(monkeypatch):
