@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from moe_jax.expert_parallel import AllToAllPrepareFinalize, EPConfig, EPStats
 from moe_jax.experts import Experts
@@ -172,6 +172,9 @@ def ep_fused_moe(
         )
         return out, jax.tree.map(lambda a: a[None], stats)
 
+    if jax.sharding.get_abstract_mesh().empty:  # no `jax.set_mesh`: Auto axes, whose results
+        # are plain global arrays (an Explicit mesh's sharded types make `jax.grad` need one)
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
     spec = PartitionSpec(axis_name)
     scale_spec = None if w1_scale is None else spec
     mapped = jax.shard_map(
@@ -182,6 +185,5 @@ def ep_fused_moe(
         check_vma=False,
     )
     args = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale)
-    # Lay the inputs out as the specs say (an Explicit-axes mesh will not reshard implicitly).
     sharded = [None if a is None else jax.device_put(a, NamedSharding(mesh, spec)) for a in args]
     return jax.jit(mapped)(*sharded)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -10,7 +9,6 @@ import jax
 from moe_jax import quant
 from moe_jax.experts import Experts
 from moe_jax.experts_by_name import resolve_experts
-from moe_jax.grouped_gemm_backward import instantiate, primal_values
 from moe_jax.modular import ModularMoE
 from moe_jax.prepare_finalize import NoEPPrepareFinalize
 from moe_jax.routing import require_static
@@ -75,7 +73,8 @@ def fused_moe(
       [T, H] in hidden_states.dtype.
 
     Differentiable; FP8 weights are held constant (a gradient to them or their scales raises
-    a TypeError), and the others go straight through the FP8 forward's quantizers.
+    a TypeError), and the others go straight through the FP8 forward's quantizers
+    (`ModularMoE.forward`).
 
     Under `jax.jit`, the arguments that are not arrays are static (a traced one raises a
     TypeError naming it): `jax.jit(fused_moe, static_argnames=("activation",
@@ -93,59 +92,11 @@ def fused_moe(
     if block_shape is not None:
         _check_block_shape(block_shape, w1, w1_scale)
     layer = ModularMoE(NoEPPrepareFinalize(), resolve_experts(experts), chunk_size=chunk_size)
-    options = dict(
-        activation=activation,
-        global_num_experts=global_num_experts,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-    )
-    arrays = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map)
-    if getattr(w1, "dtype", None) != quant.FP8_DTYPE:
-        return _call(layer, options, *arrays)
-    return _frozen_fp8(layer, options)(*arrays)
-
-
-def _call(layer, options, x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map):
     return layer(
-        x, w1, w2, topk_weights, topk_ids, w1_scale=w1_scale, w2_scale=w2_scale,
-        expert_map=expert_map, **options,
+        hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
+        global_num_experts=global_num_experts, expert_map=expert_map, w1_scale=w1_scale,
+        w2_scale=w2_scale, apply_router_weight_on_input=apply_router_weight_on_input,
     )  # fmt: skip
-
-
-class _FloatTokens(NoEPPrepareFinalize):
-    """Leaves the tokens in float: each FP8 GEMM quantizes its rows (frozen FP8 weights)."""
-
-    def prepare(self, *args, quant_config, **kwargs):
-        del quant_config
-        return super().prepare(*args, quant_config=None, **kwargs)
-
-
-_FROZEN = (None, "w1", "w2", None, None, "w1_scale", "w2_scale", None)  # `_call`'s arrays
-
-
-def _frozen_fp8(layer: ModularMoE, options: dict):
-    """`_call(layer, options, ...)` with FP8 weights held constant: the FP8 forward as it is;
-    under differentiation the same layer on float tokens (`_FloatTokens`), whose float rows
-    the experts' GEMMs quantize inside their VJPs; a gradient to a weight or scale raises."""
-    twin = dataclasses.replace(layer, prepare_finalize=_FloatTokens())
-
-    @jax.custom_vjp
-    def call(*arrays):
-        return _call(layer, options, *arrays)
-
-    def fwd(*primals):
-        x, w1, w2, weights, ids, s1, s2, expert_map = primal_values(primals, _FROZEN)
-
-        def run(x, weights):
-            return _call(twin, options, x, w1, w2, weights, ids, s1, s2, expert_map)
-
-        return jax.vjp(run, x, weights)  # (out, the VJP: its residuals)
-
-    def bwd(vjp, g):
-        dx, dweights = vjp(instantiate(g))
-        return dx, None, None, dweights, None, None, None, None
-
-    call.defvjp(fwd, bwd, symbolic_zeros=True)
-    return call
 
 
 def _check_block_shape(block_shape: Sequence[int], w1: jax.Array, w1_scale) -> None:

@@ -14,12 +14,14 @@ computes its own layout and per-expert counts; the tail chunk is padded with tok
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax import quant
 from moe_jax.experts import Experts, ExpertsCall, ExpertWeights
+from moe_jax.grouped_gemm_backward import instantiate, primal_values
 from moe_jax.moe_inputs import check_moe_inputs
 from moe_jax.prepare_finalize import ActivationFormat, PreparedTokens, PrepareFinalize
 
@@ -98,49 +100,55 @@ class ModularMoE:
     ) -> tuple[jax.Array, PreparedTokens | None]:
         """Runs the layer; arguments as `moe_jax.fused_moe`.
 
+        FP8 weights are held constant: a gradient to them or their scales raises a TypeError
+        naming the argument. Not differentiated, the tokens are quantized in `prepare` (FP8 rows
+        travel); under differentiation `prepare` gets float tokens and the experts' GEMMs
+        quantize the rows inside their VJPs (the same values), so dL/dx and dL/dtopk_weights go
+        straight through the quantizers, through any prepare whose collectives JAX transposes
+        (a `gradient_refusal` prepare raises it instead).
+
         Returns:
-          ([T, H] in the input dtype, the `PreparedTokens` the experts saw, None when T == 0);
-          an expert-parallel prepare's tokens carry its dispatch statistics.
+          ([T, H] in the input dtype, the `PreparedTokens` the experts saw less their rows (x and
+          x_scales None), None when T == 0): the routing, and an expert-parallel prepare's
+          handle with its dispatch statistics. With FP8 weights it carries no gradient.
         """
-        # NumPy (or other array-like) inputs become jax arrays here, at the boundary.
-        hidden_states, w1, w2, topk_weights, topk_ids = map(
-            jnp.asarray, (hidden_states, w1, w2, topk_weights, topk_ids)
-        )
-        w1_scale, w2_scale, expert_map = (
-            None if a is None else jnp.asarray(a) for a in (w1_scale, w2_scale, expert_map)
-        )
-        weights = ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale)
+        arrays = [
+            None if a is None else jnp.asarray(a)  # array-likes become jax arrays here
+            for a in (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map)
+        ]
         check_moe_inputs(
-            hidden_states,
-            weights.w1,
-            weights.w2,
-            topk_weights,
-            topk_ids,
-            w1_scale=weights.w1_scale,
-            w2_scale=weights.w2_scale,
-            expert_map=expert_map,
-            global_num_experts=global_num_experts,
+            *arrays[:5], w1_scale=arrays[5], w2_scale=arrays[6], expert_map=arrays[7],
+            global_num_experts=global_num_experts, activation=activation,
             apply_router_weight_on_input=apply_router_weight_on_input,
-            activation=activation,
-        )
-        quant_config = quant.Fp8BlockQuant() if weights.is_fp8 else None
-        out_dtype = hidden_states.dtype
-        num_tokens, hidden = hidden_states.shape
+        )  # fmt: skip
+        num_tokens, hidden = arrays[0].shape
         if num_tokens == 0:
-            return jnp.zeros((0, hidden), out_dtype), None
+            return jnp.zeros((0, hidden), arrays[0].dtype), None
+        run = functools.partial(
+            self._run, activation=activation, weight_on_input=apply_router_weight_on_input
+        )
+        refusal = self.prepare_finalize.gradient_refusal
+        if arrays[1].dtype != quant.FP8_DTYPE and refusal is None:
+            return run(*arrays)
+        return _frozen_fp8(run, refusal)(*arrays)
+
+    def _run(self, x, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, expert_map, *,
+             activation, weight_on_input, float_tokens=False):  # fmt: skip
+        weights = ExpertWeights(w1=w1, w2=w2, w1_scale=w1_scale, w2_scale=w2_scale)
+        quant_config = quant.Fp8BlockQuant() if weights.is_fp8 else None
         prepared = self.prepare_finalize.prepare(
-            hidden_states,
+            x,
             topk_weights,
             topk_ids,
-            quant_config=quant_config,
-            apply_router_weight_on_input=apply_router_weight_on_input,
+            quant_config=None if float_tokens else quant_config,
+            apply_router_weight_on_input=weight_on_input,
         )
-        call = ExpertsCall(activation=activation, quant_config=quant_config, out_dtype=out_dtype)
+        call = ExpertsCall(activation=activation, quant_config=quant_config, out_dtype=x.dtype)
         expert_output = self._run_experts(prepared, weights, expert_map=expert_map, call=call)
         out = self.prepare_finalize.finalize(
-            expert_output, prepared, self.experts.weight_and_reduce(), out_dtype=out_dtype
+            expert_output, prepared, self.experts.weight_and_reduce(), out_dtype=x.dtype
         )
-        return out, prepared
+        return out, dataclasses.replace(prepared, x=None, x_scales=None)
 
     def _run_experts(self, prepared: PreparedTokens, weights, *, expert_map, call) -> jax.Array:
         num_tokens = prepared.x.shape[0]
@@ -166,3 +174,35 @@ class ModularMoE:
             lambda c: self.experts.apply(c, weights, expert_map=expert_map, call=call), chunks
         )
         return outputs.reshape(num_chunks * chunk, *outputs.shape[2:])[:num_tokens]
+
+
+_FROZEN = (None, "w1", "w2", None, None, "w1_scale", "w2_scale", None)  # `_run`'s arrays
+
+
+def _frozen_fp8(run, refusal: str | None):
+    """`run(*arrays)` with FP8 weights held constant (`ModularMoE.forward`): as it is when not
+    differentiated; under differentiation `run(..., float_tokens=True)`, whose float rows the
+    experts' GEMMs quantize inside their VJPs; a gradient to a weight or scale raises, and a
+    prepare's `gradient_refusal` (one JAX cannot differentiate) raises as it is."""
+
+    @jax.custom_vjp
+    def call(*arrays):
+        return run(*arrays)
+
+    def fwd(*primals):
+        if refusal is not None:
+            raise TypeError(refusal)
+        x, w1, w2, weights, ids, s1, s2, expert_map = primal_values(primals, _FROZEN)
+
+        def run_float(x, weights):
+            return run(x, w1, w2, weights, ids, s1, s2, expert_map, float_tokens=True)
+
+        out, vjp, prepared = jax.vjp(run_float, x, weights, has_aux=True)
+        return (out, prepared), vjp
+
+    def bwd(vjp, g):
+        dx, dweights = vjp(instantiate(g[0]))
+        return dx, None, None, dweights, None, None, None, None
+
+    call.defvjp(fwd, bwd, symbolic_zeros=True)
+    return call

@@ -83,9 +83,12 @@ class PrepareFinalize(abc.ABC):
 
     `activation_format` is the format `prepare` delivers (`MaskedTokens` for MASKED); a
     masked-format `finalize` weights and sums the blocks itself and ignores `weight_and_reduce`.
+    `gradient_refusal`: None, or the TypeError message `ModularMoE` raises under
+    differentiation (a prepare whose exchange JAX cannot differentiate).
     """
 
     activation_format = ActivationFormat.STANDARD
+    gradient_refusal = None
 
     @abc.abstractmethod
     def prepare(
