@@ -24,6 +24,11 @@
 #       default --shapes B A --variants moe_jax_fp8 --iters 20) from each in turn,
 #       MOE_JAX_BASELINE_ROUNDS times (2), then benchmarks/bench_ratio.py's table of current /
 #       baseline: a ratio that carries to issues whose figures came from another card
+#   bash scripts/gpu_check.sh ep         issue 64 on a host of 2-8 GPUs: scripts/ep_multigpu.py
+#       (all parts: DeepEP HT and LL, JAX-native transports, gradients; PASS/MISS per target) on
+#       every GPU, again on 2 where there are more and time is left, then `pytest -m multigpu`,
+#       within MOE_JAX_EP_LIMIT_S seconds (540; a quarter, at least 120, kept for pytest); one
+#       log, $OUT/ep.log, written as it goes. Fewer than 2 GPUs: says so, exit 3, nothing run
 # MOE_JAX_REQUIRE_GPU=NAME (any mode): run only on a GPU whose name holds NAME (e.g. H200, the
 #   card issue 14's targets are set on); on any other, or with no GPU, say which GPU it is and
 #   exit 3 before anything runs. The device tool lends H100s to most calls that ask for an H200
@@ -182,8 +187,47 @@ case "$mode" in
       --current "$out"/current_*.json 2>&1 | tee -a "$out/baseline.log" || status=1
     exit "$status"
     ;;
+  ep)
+    log="$out/ep.log"
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+    if [ "$gpus" -lt 2 ]; then
+      echo "ep: needs 2 or more GPUs on one host, found $gpus: nothing run" | tee "$log"
+      exit 3
+    fi
+    limit=${MOE_JAX_EP_LIMIT_S:-540}
+    test_s=$(( limit / 4 < 120 ? 120 : limit / 4 ))
+    status=0
+    ep_run() {  # ep_run PROCESSES SECONDS: every part, stopped (tracebacks to the log) in time
+      echo "== $(date +%T) ep_multigpu.py on $1 GPUs, $2 s at most" | tee -a "$log"
+      python3 -m moe_jax.distributed --num-processes "$1" --timeout-s "$2" \
+        --coordinator-address "127.0.0.1:$(( 29500 + 10 * $1 ))" scripts/ep_multigpu.py \
+        --parts ht,ll,jax,grad --hang-timeout-s $(( $2 > 60 ? $2 - 15 : 45 )) 2>&1 | tee -a "$log"
+      rc=${PIPESTATUS[0]}
+      echo "== ep_multigpu.py on $1 GPUs: exit status $rc" | tee -a "$log"
+      [ "$rc" -eq 0 ] || status=1
+    }
+    main_s=$(( limit - test_s ))
+    if [ "$gpus" -gt 2 ]; then
+      ep_run "$gpus" $(( main_s * 3 / 5 ))
+      left=$(( limit - test_s - SECONDS ))
+      if [ "$left" -ge 90 ]; then ep_run 2 "$left"; else
+        echo "== no time left for the 2-GPU run ($left s)" | tee -a "$log"; fi
+    else
+      ep_run 2 "$main_s"
+    fi
+    left=$(( limit - SECONDS ))
+    echo "== $(date +%T) pytest -m multigpu, $(( left < 60 ? 60 : left )) s at most" | tee -a "$log"
+    timeout -s INT -k 30 $(( left < 60 ? 60 : left )) python3 -m pytest -q -p no:cacheprovider \
+      -m multigpu 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    echo "== pytest -m multigpu: exit status $rc" | tee -a "$log"
+    [ "$rc" -eq 0 ] || status=1
+    { echo "== targets (rank 0 of each run; PASS, MISS or NOT MEASURED):"
+      grep -o '"line": "[^"]*"' "$log" | cut -d'"' -f4; } | tee -a "$log"
+    exit "$status"
+    ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|peers|baseline (see the top of this file)" >&2
+    echo "usage: bash scripts/gpu_check.sh suite|sanitize|train|decode|prefill|peers|baseline|ep (see the top of this file)" >&2
     exit 2
     ;;
 esac

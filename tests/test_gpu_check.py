@@ -66,3 +66,15 @@ def test_the_peers_mode_names_variants_each_bench_knows():
         else:
             known = train_bench.VARIANTS if args.train else layer_bench.VARIANTS
         assert set(args.variants or ()) <= set(known), run
+
+
+@pytest.mark.parametrize("listed, found", [(None, 0), ("GPU 0: NVIDIA H100 80GB HBM3", 1)])
+def test_the_ep_mode_needs_two_gpus(tmp_path, listed, found):
+    """`gpu_check.sh ep` on a host with fewer than 2 GPUs (`nvidia-smi -L` lists them) says so
+    in its log and exits 3 at once: no one-GPU stand-in runs."""
+    out = tmp_path / "out"
+    env = {"OUT": str(out), "PATH": _fake_nvidia_smi(tmp_path, listed)}
+    done = script_modules.run_at_root(["bash", "scripts/gpu_check.sh", "ep"], env, 30)
+    assert done.returncode == 3, done.stdout + done.stderr
+    said = f"ep: needs 2 or more GPUs on one host, found {found}: nothing run"
+    assert said in done.stdout and said in (out / "ep.log").read_text()

@@ -1,7 +1,9 @@
 """The one-process-per-GPU launcher (`moe_jax.distributed`) and the multi-GPU EP checks.
 
 The launcher test runs on the CPU: two processes start jax.distributed and torch.distributed
-(gloo) together and all-reduce through the group DeepEP would use. The `multigpu` test runs
+(gloo) together and all-reduce through the group DeepEP would use. So do the script's "jax" and
+"grad" parts (JAX-native EP and its gradients against single-device `fused_moe`, timed, then the
+targets' lines), at a small size on two CPU processes. The `multigpu` test runs
 `scripts/ep_multigpu.py --quick` on 2 GPUs (DeepEP high-throughput + ContiguousExperts with
 DeepGEMM FP8, DeepEP low-latency, and JAX-native EP, each against single-device fused_moe) and
 skips with a reason when fewer than 2 GPUs are visible.
@@ -10,6 +12,7 @@ skips with a reason when fewer than 2 GPUs are visible.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import jax
@@ -61,6 +64,35 @@ def test_init_distributed_rejects_bad_arguments():
         distributed.init_distributed(
             coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2
         )
+
+
+@pytest.mark.slow
+def test_jax_and_grad_parts_on_two_cpu_processes():
+    """Each rank's EP gradients w.r.t. x, w1, w2 and topk_weights match fused_moe's within the
+    script's bounds (float32 1e-5, bf16 3e-2, relative, norm-wise); the ragged transport's
+    gradient lowers to ragged all-to-alls but is not run (XLA:CPU lacks them); the timings and
+    the padded transport's target line come out."""
+    pytest.importorskip("torch", reason="the launcher starts torch.distributed")
+    sizes = "--experts 8 --topk 2 --jax-tokens 32 --grad-tokens 32 --jax-hidden 128 --jax-inter 64"
+    proc = script_modules.run_distributed(
+        "scripts/ep_multigpu.py", "--parts", "jax,grad", *sizes.split(), num_processes=2,
+        port=29661, timeout=400, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    checks = {(r["rank"], r["check"]): r for r in rows if "check" in r}
+    for rank in (0, 1):
+        for dtype, bound in (("float32", 1e-5), ("bfloat16", 3e-2)):
+            assert checks[rank, f"grad_ep[ragged,{dtype}]"]["lowered"] is True
+            for arg in ("x", "w1", "w2", "topk_weights"):
+                assert checks[rank, f"grad_ep[padded,{dtype}][{arg}]"]["rel_error"] < bound
+        assert {"rank": rank, "failures": []} in rows
+    jax_row = next(r for r in rows if r.get("timing") == "jax" and r["rank"] == 0)
+    assert jax_row["padded_exchange_us"] > 0 and jax_row["auto_resolves_to"] == "padded"
+    targets = {r["target"].split(" ")[0]: r for r in rows if "target" in r}
+    assert targets["jax_ep[padded]"]["verdict"] in ("PASS", "MISS")
+    for name in ("jax_ep[ragged]", "deep_ep_ht", "deep_ep_ll", "deep_ep_ll_graph"):
+        assert targets[name]["verdict"] == "NOT MEASURED", name
 
 
 def _num_gpus() -> int:
