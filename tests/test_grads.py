@@ -236,16 +236,13 @@ GPU_EXPERTS = ["auto", "torch", "deep_gemm", "mosaic", "pallas", "torch_masked",
 
 def _gpu_problem(seed: int):
     """bf16 layer (T=512, E=8, k=2, H=512, I=256) with softmax top-2 routing and a probe."""
-    rng = np.random.default_rng(seed)
-    num_tokens, hidden, inter, num_experts = 512, 512, 256, 8
-    x = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.bfloat16)
-    w1 = jnp.asarray(rng.normal(size=(num_experts, 2 * inter, hidden)) / 22, jnp.bfloat16)
-    w2 = jnp.asarray(rng.normal(size=(num_experts, hidden, inter)) / 16, jnp.bfloat16)
-    logits = rng.normal(size=(num_tokens, num_experts))
+    (t, h, e), rng = (512, 512, 8), np.random.default_rng(seed)
+    x, w1, w2, _, _ = oracles.moe_inputs((t, h, 256, e, 2), "bfloat16", rng).args()
+    logits = rng.normal(size=(t, e))
     ids = np.argsort(-logits, axis=1)[:, :2]
     ids[::7, 1] = ids[::7, 0]  # duplicates
     topk_weights = jnp.asarray(np.take_along_axis(logits, ids, 1), jnp.float32)
-    probe = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(t, h)), jnp.float32)
     return x, w1, w2, topk_weights, jnp.asarray(ids, jnp.int32), probe
 
 
