@@ -198,7 +198,7 @@ def run_high_throughput(ctx, args, torch) -> None:
 def ht_gradient(ctx, layer, expert_map, local, global_) -> None:
     """`jax.grad` through the DeepEP HT layer w.r.t. x and topk_weights (the FP8 weights are held
     constant) against `fused_moe`'s on the global batch; reported as refused (not a failure)
-    while DeepEP's dispatch/combine callbacks define no VJP (`bridge.torch_callback`)."""
+    while the adapter refuses (`gradient_refusal`: its torch callbacks define no VJP)."""
     (xr, ew, wr, idr), (x, w1, w2, scales, weights, ids) = local, global_
     tok = slice(ctx.process_id * len(xr), (ctx.process_id + 1) * len(xr))
 
@@ -216,7 +216,7 @@ def ht_gradient(ctx, layer, expert_map, local, global_) -> None:
     try:
         grads = jax.jit(jax.grad(ours, argnums=(0, 1)))(xr, wr)
     except Exception as e:  # noqa: BLE001 (a missing VJP surfaces as the tracer's error)
-        report(ctx, check="grad_deep_ep_ht", refused=f"{type(e).__name__}: {e}"[:300])
+        report(ctx, check="grad_deep_ep_ht", refused=f"{type(e).__name__}: {e}"[:600])
         return
     ref = jax.grad(theirs, (0, 1))(x, weights)
     for name, g, r in zip(("x", "topk_weights"), grads, ref, strict=True):

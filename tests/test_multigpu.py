@@ -3,7 +3,8 @@
 The launcher test runs on the CPU: two processes start jax.distributed and torch.distributed
 (gloo) together and all-reduce through the group DeepEP would use. So do the script's "jax" and
 "grad" parts (JAX-native EP and its gradients against single-device `fused_moe`, timed, then the
-targets' lines), at a small size on two CPU processes. The `multigpu` test runs
+targets' lines), at a small size on two CPU processes; the DeepEP HT gradient check reports
+the adapter's refusal without failing. The `multigpu` test runs
 `scripts/ep_multigpu.py --quick` on 2 GPUs (DeepEP high-throughput + ContiguousExperts with
 DeepGEMM FP8, DeepEP low-latency, and JAX-native EP, each against single-device fused_moe) and
 skips with a reason when fewer than 2 GPUs are visible.
@@ -93,6 +94,37 @@ def test_jax_and_grad_parts_on_two_cpu_processes():
     assert targets["jax_ep[padded]"]["verdict"] in ("PASS", "MISS")
     for name in ("jax_ep[ragged]", "deep_ep_ht", "deep_ep_ll", "deep_ep_ll_graph"):
         assert targets[name]["verdict"] == "NOT MEASURED", name
+
+
+@pytest.fixture
+def script():
+    yield from script_modules.loaded("ep_multigpu")
+
+
+def test_the_deep_ep_gradient_is_reported_refused_not_failed(script, capsys):
+    """Under jax.grad the DeepEP HT layer refuses before any DeepEP call (no buffer needed):
+    the ht part reports that reason as a refused check and records no failure."""
+    from moe_jax import ContiguousExperts, ModularMoE
+    from moe_jax.expert_parallel import expert_map_for_rank
+    from moe_jax.interop import deep_ep_ht, deep_ep_layouts
+
+    ctx = distributed.DistributedContext(
+        process_id=1, num_processes=2, local_device_id=None, group=None
+    )
+    problem = deep_ep_layouts.DeepEPProblem(
+        num_ranks=2, rank=1, num_experts=4, num_tokens=8, hidden=128, num_topk=2
+    )
+    layer = ModularMoE(
+        deep_ep_ht.DeepEPHighThroughput(buffer=None, problem=problem), ContiguousExperts()
+    )
+    inputs = script.global_problem(
+        tokens=16, experts=4, topk=2, hidden=128, inter=128, fp8=True, seed=0
+    )
+    xr, ew, wr, idr, _ = script.local_slices(ctx, *inputs)
+    script.ht_gradient(ctx, layer, expert_map_for_rank(4, 2, 1), (xr, ew, wr, idr), inputs)
+    row = json.loads(capsys.readouterr().out)
+    assert row["check"] == "grad_deep_ep_ht" and "torch callbacks" in row["refused"]
+    assert script.FAILURES == []
 
 
 def _num_gpus() -> int:
