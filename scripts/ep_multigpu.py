@@ -406,37 +406,34 @@ def run_grad(ctx, args) -> None:
 
 
 def print_targets(ctx) -> None:
-    """Rank 0's verdict on issue 64's targets from its timing rows: one JSON line per target."""
+    """Rank 0's verdict on issue 64's targets from its timing rows: one JSON line per target,
+    its "line" the times (us), the ratio, the bound and PASS, MISS or NOT MEASURED."""
     if ctx.process_id:
         return
 
-    def target(name, value, limit, *, at_least, **numbers):
-        if value is None:
-            verdict = "NOT MEASURED"
-        else:
-            verdict = "PASS" if (value >= limit if at_least else value <= limit) else "MISS"
-        line = f"{name}: {'n/a' if value is None else f'{value:.3f}'} "
-        line += f"{'>=' if at_least else '<='} {limit} {verdict}"
-        report(ctx, target=name, verdict=verdict, value=value, limit=limit, line=line, **numbers)
+    def show(v):
+        return "n/a" if v is None else f"{v:.4g}"
 
+    targets, jax_row = [], TIMINGS.get("jax", {})  # (name, ratio, bound, at least or at most)
     for mode in ("ht", "ll", "ll_graph"):
         row = TIMINGS.get(mode, {})
-        target(
-            f"deep_ep_{mode} dispatch+combine through moe_jax: direct_us / moe_jax_us",
-            row.get("speed_ratio"), 0.95, at_least=True,
-            direct_us=row.get("direct_round_trip_us"), moe_jax_us=row.get("moe_jax_round_trip_us"),
-        )  # fmt: skip
-    jax_row = TIMINGS.get("jax", {})
+        direct, ours = row.get("direct_round_trip_us"), row.get("moe_jax_round_trip_us")
+        name = f"deep_ep_{mode} dispatch+combine direct / moe_jax = {show(direct)} / {show(ours)}"
+        targets.append((name, row.get("speed_ratio"), 0.95, 1))
     single = jax_row.get("single_gpu_layer_per_rank_tokens_us")
     for transport in ("padded", "ragged"):
-        layer, exch = jax_row.get(f"{transport}_layer_us"), jax_row.get(f"{transport}_exchange_us")
-        value = None if None in (layer, exch, single) else layer / (single + exch)
-        target(
-            f"jax_ep[{transport}] on {jax_row.get('num_ranks')} ranks (target set on 2): "
-            "layer_us / (single_gpu_layer_us + exchange_us)",
-            value, 1.3, at_least=False, layer_us=layer, single_gpu_layer_us=single,
-            exchange_us=exch,
-        )  # fmt: skip
+        layer, exch = (jax_row.get(f"{transport}_{t}_us") for t in ("layer", "exchange"))
+        ratio = None if None in (layer, exch, single) else layer / (single + exch)
+        name = f"jax_ep[{transport}] on {jax_row.get('num_ranks')} ranks (target set on 2): layer"
+        name += (
+            f" / (one-device layer + exchange) = {show(layer)} / ({show(single)} + {show(exch)})"
+        )
+        targets.append((name, ratio, 1.3, -1))
+    for name, ratio, bound, sign in targets:
+        verdict = "PASS" if ratio is not None and sign * (ratio - bound) >= 0 else "MISS"
+        verdict = "NOT MEASURED" if ratio is None else verdict
+        line = f"{name} = {show(ratio)} {'>=' if sign > 0 else '<='} {bound} {verdict}"
+        report(ctx, target=name, verdict=verdict, ratio=ratio, line=line)
 
 
 def main() -> int:
