@@ -40,6 +40,14 @@ DEEP_EP_INSTALL_HINT = (
     "DeepEP."
 )
 
+# `PrepareFinalize.gradient_refusal` of both adapters: `ModularMoE` raises it under jax.grad.
+GRADIENT_REFUSAL = (
+    "DeepEP's dispatch and combine run as torch callbacks, which JAX cannot differentiate: "
+    "differentiate the expert-parallel layer on JAX collectives instead (moe_jax.ep_moe or "
+    "ep_fused_moe, AllToAllPrepareFinalize: with FP8 weights it dispatches float tokens under "
+    "jax.grad), or keep the DeepEP layer out of the gradient (jax.lax.stop_gradient its inputs)"
+)
+
 
 def import_deep_ep():
     """Returns the deep_ep module, or raises ImportError saying how to get it."""

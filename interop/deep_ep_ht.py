@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from moe_jax._pytree import pytree_dataclass
 from moe_jax.interop import deep_ep_layouts as dl
 from moe_jax.interop.bridge import import_torch, torch_callback
-from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
+from moe_jax.interop.deep_ep import GRADIENT_REFUSAL, import_deep_ep, topk_idx_from_words
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, HTHandle
 from moe_jax.prepare_finalize import PreparedTokens, PrepareFinalize, scale_by_router_weight
 
@@ -60,6 +60,7 @@ class DeepEPHighThroughput(PrepareFinalize):
         channel count, num_sms // 2.
     """
 
+    gradient_refusal = GRADIENT_REFUSAL
     buffer: Any
     problem: DeepEPProblem
     num_sms: int = HT_NUM_SMS

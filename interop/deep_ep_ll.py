@@ -14,7 +14,7 @@ from moe_jax import quant
 from moe_jax._pytree import pytree_dataclass
 from moe_jax.interop import deep_ep_layouts as dl
 from moe_jax.interop.bridge import import_torch, torch_callback
-from moe_jax.interop.deep_ep import import_deep_ep, topk_idx_from_words
+from moe_jax.interop.deep_ep import GRADIENT_REFUSAL, import_deep_ep, topk_idx_from_words
 from moe_jax.interop.deep_ep_layouts import DeepEPProblem, LLDispatched, LLHandle
 from moe_jax.interop.deep_ep_ll_graph import LLCaptureState, combine_output
 from moe_jax.prepare_finalize import (
@@ -221,6 +221,7 @@ class DeepEPLowLatency(PrepareFinalize):
     """
 
     activation_format = ActivationFormat.MASKED
+    gradient_refusal = GRADIENT_REFUSAL
     buffer: Any
     problem: DeepEPProblem
     use_fp8: bool = True

@@ -3,8 +3,10 @@
 XLA's host device count is fixed when JAX initialises, and the pytest process has already
 initialised JAX with one device; so `tests/test_expert_parallel.py` runs this file as a script
 (`python tests/ep_multidevice.py OUT.npz`) with `--xla_force_host_platform_device_count=8`. It
-runs `ep_fused_moe` on every case in `CASES` and saves the outputs and statistics; the test
-computes the expectations (single-device `fused_moe`, a float64 loop) in its own process.
+runs `ep_fused_moe` on every case in `CASES` and saves the outputs and statistics, and for
+`GRAD_CASES` (FP8 weights held constant) the gradients of <out, `probe`> with respect to x and
+topk_weights; the test computes the expectations (single-device `fused_moe`, float64 loops) in
+its own process.
 Importing this module has no side effects (pytest imports it for doctests).
 """
 
@@ -48,8 +50,18 @@ CASES = {
         # values that once were taken for per-(token, slot) ones
         Case("fp8_scale_groups_eq_k", fp8=True, hidden=256, topk=2),
         Case("hidden_eq_k", hidden=4, inter=8, topk=4),
+        Case("fp8_invalid_masked", routing="invalid", fp8=True, experts="masked_chunked"),
     ]
 }
+# FP8 cases differentiated too: duplicates, drops past the capacity, ids outside [0, E) with
+# masked experts over chunks.
+GRAD_CASES = ("fp8", "fp8_overflow", "fp8_invalid_masked")
+
+
+def probe(case: Case) -> np.ndarray:
+    """The fixed output cotangent of a gradient case, float32[R * T, H]."""
+    rng = np.random.default_rng(len(case.name))
+    return rng.standard_normal((NUM_RANKS * case.tokens_per_rank, case.hidden)).astype(np.float32)
 
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
@@ -91,9 +103,8 @@ def layer_args(case: Case, inputs: dict[str, np.ndarray]):
     return x, w1, w2, weights, jnp.asarray(inputs["topk_ids"]), kwargs
 
 
-def run_case(case: Case, mesh):
-    import jax
-
+def ep_layer(case: Case, mesh, transport: str = "padded"):
+    """(f, x, topk_weights): f(x, topk_weights) -> (out, stats) runs a case's `ep_fused_moe`."""
     from moe_jax import MaskedExperts
     from moe_jax.ep_api import ep_fused_moe
 
@@ -101,22 +112,23 @@ def run_case(case: Case, mesh):
     experts, chunk = "auto", None
     if case.experts == "masked_chunked":
         experts, chunk = MaskedExperts(gemm="xla"), 40
-    out, stats = ep_fused_moe(
-        mesh,
-        x,
-        w1,
-        w2,
-        weights,
-        ids,
-        axis_name="ep",
-        capacity_per_rank=case.capacity_per_rank,
-        transport="padded",
-        experts=experts,
-        chunk_size=chunk,
-        **kwargs,
-    )
-    jax.block_until_ready(out)
-    return out, stats
+
+    def f(x, weights, w1=w1):
+        return ep_fused_moe(
+            mesh, x, w1, w2, weights, ids, axis_name="ep", capacity_per_rank=case.capacity_per_rank,
+            transport=transport, experts=experts, chunk_size=chunk, **kwargs,
+        )  # fmt: skip
+
+    return f, x, weights
+
+
+def all_to_all_dtypes(f, *args, op: str = "all_to_all") -> str:
+    """The element types on the lines of `op` in the lowered `jax.jit(f)(*args)`, sorted."""
+    import re
+
+    text = __import__("jax").jit(f).lower(*args).as_text()
+    lines = [line for line in text.splitlines() if op in line]
+    return " ".join(sorted({t for line in lines for t in re.findall(r"x([a-zA-Z]\w*)>", line)}))
 
 
 def main(path: str) -> None:
@@ -133,10 +145,31 @@ def main(path: str) -> None:
     mesh = jax.make_mesh((NUM_RANKS,), ("ep",))
     saved = {}
     for name, case in CASES.items():
-        out, stats = run_case(case, mesh)
+        f, x, weights = ep_layer(case, mesh)
+        out, stats = f(x, weights)
         saved[f"{name}/out"] = np.asarray(out.astype(jnp.float32))
         saved[f"{name}/num_dropped"] = np.asarray(stats.num_dropped)
         saved[f"{name}/num_routed_per_rank"] = np.asarray(stats.num_routed_per_rank)
+        if name in GRAD_CASES:  # the forward under differentiation (float rows), its gradients
+            out, vjp, _ = jax.vjp(f, x, weights, has_aux=True)
+            saved[f"{name}/vjp_out"] = np.asarray(out.astype(jnp.float32))
+            dx, dweights = vjp(jnp.asarray(probe(case), out.dtype))
+            saved[f"{name}/dx"] = np.asarray(dx.astype(jnp.float32))
+            saved[f"{name}/dweights"] = np.asarray(dweights)
+    # FP8 rows cross the all-to-all, float rows under differentiation; no gradient to FP8 w1.
+    f, x, weights = ep_layer(CASES["fp8"], mesh)
+    w1 = layer_args(CASES["fp8"], make_inputs(CASES["fp8"]))[1]
+    saved["fp8/all_to_all"] = np.asarray(all_to_all_dtypes(lambda *a: f(*a)[0], x, weights))
+    backward = jax.grad(lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32)), argnums=(0, 1))
+    saved["fp8/grad_all_to_all"] = np.asarray(all_to_all_dtypes(backward, x, weights))
+    ragged, x, weights = ep_layer(CASES["fp8"], mesh, transport="ragged")  # its VJP lowers
+    backward = jax.grad(lambda *a: jnp.sum(ragged(*a)[0].astype(jnp.float32)), argnums=(0, 1))
+    saved["fp8/grad_ragged"] = np.asarray(all_to_all_dtypes(backward, x, weights, op="ragged"))
+    try:
+        jax.grad(lambda w1: jnp.sum(f(x, weights, w1)[0].astype(jnp.float32)))(w1)
+        saved["fp8/w1_error"] = np.asarray("")
+    except TypeError as e:
+        saved["fp8/w1_error"] = np.asarray(str(e))
     # "auto" resolves to the padded transport off the GPU and gives the same result.
     case = CASES["skewed"]
     x, w1, w2, weights, ids, kwargs = layer_args(case, make_inputs(case))

@@ -2,7 +2,8 @@
 
 The 8-rank runs happen in a subprocess (`ep_multidevice.py`, 8 CPU devices); the expectations are
 computed here: single-device `fused_moe` on the same inputs with the dropped pairs removed, the
-float64 loop `oracles.fused_moe`, and the drop/route counts from `oracles.ep_dispatch`.
+float64 loop `oracles.fused_moe`, and the drop/route counts from `oracles.ep_dispatch`; with FP8
+weights held constant, the gradients of single-device `fused_moe` and `oracles.fused_moe_grads`.
 """
 
 from __future__ import annotations
@@ -61,17 +62,19 @@ def expected_with_fused_moe(case, inputs, keep):
         return np.asarray(out, np.float32)
 
 
+def ep_dispatch(case, inputs):
+    """`oracles.ep_dispatch` of a case: (keep, num_dropped, num_routed_per_rank)."""
+    capacity = case.capacity_per_rank or case.tokens_per_rank * case.topk
+    return oracles.ep_dispatch(
+        inputs["topk_ids"], num_ranks=epm.NUM_RANKS, num_experts=case.num_experts, capacity=capacity
+    )
+
+
 @pytest.mark.parametrize("name", list(epm.CASES))
 def test_ep_matches_fused_moe(ep_results, name):
     case = epm.CASES[name]
     inputs = epm.make_inputs(case)
-    capacity = case.capacity_per_rank or case.tokens_per_rank * case.topk
-    keep, dropped, routed = oracles.ep_dispatch(
-        inputs["topk_ids"],
-        num_ranks=epm.NUM_RANKS,
-        num_experts=case.num_experts,
-        capacity=capacity,
-    )
+    keep, dropped, routed = ep_dispatch(case, inputs)
     np.testing.assert_array_equal(ep_results[f"{name}/num_dropped"], dropped)
     np.testing.assert_array_equal(ep_results[f"{name}/num_routed_per_rank"], routed)
     if case.capacity_per_rank is not None:
@@ -89,6 +92,68 @@ def test_ep_matches_fused_moe(ep_results, name):
             np.where(keep, inputs["topk_ids"], -1),  # the dropped pairs removed
         )
         np.testing.assert_allclose(out, oracle, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", epm.GRAD_CASES)
+def test_ep_gradients_through_frozen_fp8_experts(ep_results, name):
+    """d<out, probe> / d(x, topk_weights) over 8 ranks with FP8 weights held constant, against
+    single-device `fused_moe`'s with the dropped pairs removed (relative Frobenius 1e-2, measured
+    3e-3 for the bf16 dx: the same quantized rows, the EP per-pair outputs rounded to bf16 before
+    their sum) and the float64 oracle's on the dequantized weights (8e-2, measured 5e-2:
+    tests/test_frozen_fp8_grads.py's tolerance). The forward under differentiation (float rows
+    cross, the experts quantize them) equals the FP8 dispatch's."""
+    case = epm.CASES[name]
+    inputs = epm.make_inputs(case)
+    keep = ep_dispatch(case, inputs)[0]
+    probe = epm.probe(case)
+    got = ep_results[f"{name}/dx"], ep_results[f"{name}/dweights"]
+    with on_the_ranks_platform():
+        x, w1, w2, weights, ids, kwargs = epm.layer_args(case, inputs)
+        kept = jnp.where(jnp.asarray(keep), ids, -1)
+        layer = lambda x, w: fused_moe(x, w1, w2, w, kept, experts="xla", **kwargs)  # noqa: E731
+        single = jax.vjp(layer, x, weights)[1](jnp.asarray(probe, x.dtype))
+        dequantized = (
+            oracles.dequant_per_block(w1, kwargs["w1_scale"]),
+            oracles.dequant_per_block(w2, kwargs["w2_scale"]),
+        )
+        local = oracles.local_ids(np.where(keep, inputs["topk_ids"], -1), case.num_experts)
+        want_x, _, _, want_w = oracles.fused_moe_grads(x, *dequantized, weights, probe, local)
+    for label, g, one, want in zip(
+        ("x", "topk_weights"), got, single, (want_x, want_w), strict=True
+    ):
+        oracles.assert_grad_close(label, g, np.asarray(one.astype(jnp.float32), np.float64), 1e-2)
+        oracles.assert_grad_close(label, g, want, 8e-2)
+    np.testing.assert_array_equal(ep_results[f"{name}/vjp_out"], ep_results[f"{name}/out"])
+
+
+def test_ep_dispatches_fp8_rows_unless_differentiated_and_refuses_w1_gradients(ep_results):
+    assert "f8E4M3FN" in str(ep_results["fp8/all_to_all"])
+    for key in ("fp8/grad_all_to_all", "fp8/grad_ragged"):  # the ragged VJP lowers too
+        assert "bf16" in str(ep_results[key]) and "f8" not in str(ep_results[key]), key
+    error = str(ep_results["fp8/w1_error"])
+    assert error.startswith("a gradient with respect to w1: gradients through float8_e4m3fn")
+
+
+def test_deep_ep_adapters_refuse_gradients_saying_what_to_do():
+    from moe_jax import ContiguousExperts, MaskedExperts, ModularMoE, quant
+    from moe_jax.interop import deep_ep_ht, deep_ep_ll
+    from moe_jax.interop import deep_ep_layouts as dl
+
+    problem = dl.DeepEPProblem(
+        rank=0, num_ranks=8, num_experts=64, num_tokens=128, hidden=7168, num_topk=8
+    )
+    x, weights, ids = jnp.ones((2, 128)), jnp.ones((2, 1)), jnp.zeros((2, 1), jnp.int32)
+    w1, w2 = jnp.ones((2, 256, 128)) / 128, jnp.ones((2, 128, 128)) / 128
+    (w1q, s1), (w2q, s2) = quant.per_block_quant_fp8(w1), quant.per_block_quant_fp8(w2)
+    ht = deep_ep_ht.DeepEPHighThroughput(buffer=None, problem=problem)
+    ht = ModularMoE(ht, ContiguousExperts())
+    ll = ModularMoE(deep_ep_ll.DeepEPLowLatency(buffer=None, problem=problem), MaskedExperts())
+    for loss in (
+        lambda x: jnp.sum(ht(x, w1, w2, weights, ids)),
+        lambda x: jnp.sum(ll(x, w1q, w2q, weights, ids, w1_scale=s1, w2_scale=s2)),
+    ):
+        with pytest.raises(TypeError, match=r"torch callbacks.*moe_jax\.ep_moe or ep_fused_moe"):
+            jax.grad(loss)(x)
 
 
 def test_ep_is_the_sum_of_vllm_expert_map_partial_sums(ep_results):
