@@ -70,6 +70,27 @@ def note_lines(notes: dict[str, int]) -> list[str]:
     return [f"[{number}] {reason}" for reason, number in notes.items()]
 
 
+def column_table(rows, columns, lead_header: str, lead, min_width: int) -> list[str]:
+    """A table's lines: `lead_header` + a column per (row key, header, format) of `columns`
+    (at least `min_width` wide), a row per `rows` item starting with `lead(row)`; a skipped row
+    shows `skip_note`, its reasons listed once below (`note_lines`)."""
+    widths = [max(min_width, len(header)) for _, header, _ in columns]
+    header = lead_header + "".join(
+        f" {title:>{w}}" for (_, title, _), w in zip(columns, widths, strict=True)
+    )
+    lines, notes = [header, "-" * len(header)], {}
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"{lead(row)} {skip_note(row, notes)}")
+            continue
+        cells = [
+            f"{row[key]:>{w}{form}}" if key in row else f"{'-':>{w}}"
+            for (key, _, form), w in zip(columns, widths, strict=True)
+        ]
+        lines.append(lead(row) + "".join(f" {cell}" for cell in cells))
+    return lines + note_lines(notes)
+
+
 def missing_plot_dependency() -> str | None:
     """Why `--plot` cannot draw here (matplotlib missing, with the extra that installs it), or
     None: checked before a benchmark runs, not after it."""

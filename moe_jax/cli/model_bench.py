@@ -315,22 +315,10 @@ COLUMNS = (
 def format_table(result: dict) -> str:
     """One line per row of `run`, as `bench`'s tables; skip reasons and notes below."""
     rows = result["rows"]
-    widths = [max(9, len(header)) for _, header, _ in COLUMNS]
-    header = f"{'variant':<13}" + "".join(
-        f" {h:>{w}}" for (_, h, _), w in zip(COLUMNS, widths, strict=True)
+    lines = layer_report.column_table(
+        rows, COLUMNS, f"{'variant':<13}", lambda row: f"{row['variant']:<13}", 9
     )
-    lines, skips = [header, "-" * len(header)], {}
-    for row in rows:
-        start = f"{row['variant']:<13}"
-        if "skipped" in row:
-            lines.append(f"{start} {layer_report.skip_note(row, skips)}")
-            continue
-        cells = [
-            f"{row[key]:>{w}{form}}" if key in row else f"{'-':>{w}}"
-            for (key, _, form), w in zip(COLUMNS, widths, strict=True)
-        ]
-        lines.append(start + "".join(f" {c}" for c in cells))
-    lines += layer_report.note_lines(skips) + result["notes"]
+    lines += result["notes"]
     lines.append(
         "loss: the first step's, before its update; loss err: relative to transformers'. "
         "MoE ms: one MoE block's forward + backward alone x the MoE layers."

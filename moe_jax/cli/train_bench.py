@@ -243,23 +243,13 @@ def format_table(rows: list[dict]) -> str:
     the torch step, each gradient's error; a skipped row names its reason's note, each reason
     printed once below the table."""
     width = max([12, *(len(r["variant"]) for r in rows)])
-    widths = [max(10, len(header)) for _, header, _ in COLUMNS]
-    header = f"{'shape':<6} {'variant':<{width}}" + "".join(
-        f" {title:>{w}}" for (_, title, _), w in zip(COLUMNS, widths, strict=True)
+    lines = layer_report.column_table(
+        rows,
+        COLUMNS,
+        f"{'shape':<6} {'variant':<{width}}",
+        lambda row: f"{row['shape']:<6} {row['variant']:<{width}}",
+        10,
     )
-    lines = [header, "-" * len(header)]
-    notes: dict[str, int] = {}
-    for row in rows:
-        start = f"{row['shape']:<6} {row['variant']:<{width}}"
-        if "skipped" in row:
-            lines.append(f"{start} {layer_report.skip_note(row, notes)}")
-            continue
-        cells = [
-            f"{row[key]:>{w}{form}}" if key in row else f"{'-':>{w}}"
-            for (key, _, form), w in zip(COLUMNS, widths, strict=True)
-        ]
-        lines.append(start + "".join(f" {cell}" for cell in cells))
-    lines += layer_report.note_lines(notes)
     lines.append(
         "fwd / step ms: per call, back to back; latency: one step waited for. "
         f"x {BASELINE}: its step ms / step ms. err: each gradient against float32."
